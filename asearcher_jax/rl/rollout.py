@@ -33,6 +33,7 @@ from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.evaluation import metrics as eval_metrics
 from asearcher_jax.rl import reward as reward_lib
+from asearcher_jax.rl.inflight import EpisodeJournal, JournalClient, JournalToolBox
 from asearcher_jax.rl.replay import Group, ReplayQueue
 from asearcher_jax.rl.staleness import StalenessManager
 
@@ -185,6 +186,8 @@ class RolloutController:
     self.engine_stats = engine_stats
     self.cursor = DataCursor(len(self.items), shuffle=config.shuffle, seed=config.seed)
     self._skip: set[str] = set()  # item keys whose groups already sit in the replay queue
+    self._journals: dict[str, _GroupJournal] = {}  # running groups by item key (checkpointed)
+    self._resume: list[_GroupJournal] = []  # groups saved in flight, run first after a restart
     self._lock = threading.Lock()  # guards _stats and the cursor (read by checkpoints)
     self._stats = _Stats()
     self._paused = threading.Event()
@@ -248,22 +251,33 @@ class RolloutController:
 
   # --- checkpoint state ------------------------------------------------------------------------
 
-  def state_dict(self) -> dict[str, Any]:
-    """The data cursor (JSON). Groups still running are not saved: they are regenerated from
-    later items after a restart (their items are skipped, never half-trained)."""
+  def state_dict(self, *, exclude_groups: Sequence[str] = ()) -> dict[str, Any]:
+    """The data cursor and the journals of the groups in flight (JSON; see `rl.inflight`).
+
+    Groups already handed to the replay queue (pending there) or named in `exclude_groups` (the
+    trainer's trained ids: a pushed group can be trained before its journal is dropped) are left
+    out, so a restart never runs a group whose result already exists."""
+    done = {group_item_key(g) for g in [*self.replay.pending_ids(), *exclude_groups]}
     with self._lock:
-      return {"cursor": self.cursor.state_dict()}
+      journals = [j for k, j in self._journals.items() if k not in done]
+      return {
+        "cursor": self.cursor.state_dict(),
+        "inflight": [j.snapshot() for j in journals],
+      }
 
   def load_state_dict(
     self, state: Mapping[str, Any] | None, *, queued_ids: Sequence[str] = ()
   ) -> None:
-    """Restores the cursor (None: from the start); items whose group is already queued
-    (accepted after the checkpoint, kept by the replay log) are skipped instead of being run a
-    second time."""
+    """Restores the cursor (None: from the start) and the groups that were in flight, which run
+    first and replay their journals; items whose group is already queued (accepted after the
+    checkpoint, kept by the replay log) are skipped instead of being run a second time."""
     with self._lock:
-      if state is not None:
-        self.cursor.load_state_dict(state["cursor"])
       self._skip = {group_item_key(g) for g in queued_ids}
+      if state is None:
+        return
+      self.cursor.load_state_dict(state["cursor"])
+      saved = [_GroupJournal.from_snapshot(d) for d in state.get("inflight", ())]
+      self._resume = [j for j in saved if j.key not in self._skip]
 
   # --- metrics ---------------------------------------------------------------------------------
 
@@ -322,9 +336,8 @@ class RolloutController:
         if self._stopping.is_set():
           self.staleness.on_reject()
           break
-        key, item = self._next_item()
-        created = (self.staleness.version, time.time())
-        task = asyncio.create_task(self._run_group(key, item, *created), name=f"group-{key}")
+        journal = self._next_group()
+        task = asyncio.create_task(self._run_group(journal), name=f"group-{journal.key}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
     finally:
@@ -339,14 +352,27 @@ class RolloutController:
         except Exception:  # one failed cleanup must not skip the others
           log.exception("rollout loop cleanup failed")
 
-  def _next_item(self) -> tuple[str, QAItem]:
+  def _next_group(self) -> _GroupJournal:
+    """A group saved in flight, else the next item; registered for checkpoints in the same
+    critical section that advances the cursor, so a snapshot never misses an item."""
     with self._lock:
-      while True:
-        key, index = self.cursor.next()
-        if key in self._skip:
+      if self._resume:
+        journal = self._resume.pop(0)
+      else:
+        while True:
+          key, index = self.cursor.next()
+          if key not in self._skip:
+            break
           self._skip.discard(key)
-          continue
-        return key, self.items[index]
+        journal = _GroupJournal(
+          key=key,
+          index=index,
+          version=self.staleness.version,
+          created_at=time.time(),
+          episodes=[EpisodeJournal() for _ in range(self.config.group_size)],
+        )
+      self._journals[journal.key] = journal
+      return journal
 
   async def _sample_occupancy(self) -> None:
     if self.engine_stats is None or self.config.occupancy_sample_s <= 0:
@@ -361,15 +387,16 @@ class RolloutController:
 
   # --- one group -------------------------------------------------------------------------------
 
-  async def _run_group(self, key: str, item: QAItem, version: int, created_at: float) -> None:
+  async def _run_group(self, journal: _GroupJournal) -> None:
     """Episodes -> score -> filter -> push. Always ends in exactly one on_accept / on_reject."""
-    self._count(groups_started=1)
+    key, item = journal.key, self.items[journal.index]
+    self._count(groups_started=1, groups_resumed=int(journal.resumed))
     finished = False
     try:
       trajs = await asyncio.gather(
-        *(self._run_episode(item) for _ in range(self.config.group_size))
+        *(self._run_episode(item, journal, i) for i in range(len(journal.episodes)))
       )
-      finished = await self._finish_group(key, item, trajs, version, created_at)
+      finished = await self._finish_group(key, item, trajs, journal.version, journal.created_at)
     except asyncio.CancelledError:
       self._count(groups_cancelled=1)
       raise
@@ -377,6 +404,8 @@ class RolloutController:
       log.exception("group %s failed", key)
       self._count(groups_errored=1)
     finally:
+      with self._lock:
+        self._journals.pop(key, None)
       if not finished:
         self.staleness.on_reject()
 
@@ -435,17 +464,18 @@ class RolloutController:
       if left <= 0 or self._stopping.is_set():
         return False
 
-  async def _run_episode(self, item: QAItem) -> Trajectory | None:
+  async def _run_episode(self, item: QAItem, group: _GroupJournal, i: int) -> Trajectory | None:
     """One episode, rerun on environment failure per policy; None if it never produced a usable
-    trajectory within the timeout."""
+    trajectory within the timeout. The first attempt replays the episode's saved journal."""
     c = self.config
     attempts = 1 + (c.max_env_retries if c.env_failure_policy == "retry" else 0)
     traj: Trajectory | None = None
+    saved = group.episodes[i] if group.resumed else None
     for attempt in range(attempts):
       if attempt:
         self._count(episode_retries=1)
       self._count(episodes=1)
-      agent = self.agent_factory()
+      agent, client, tools = self._journaled_agent(group, i, saved if attempt == 0 else None)
       try:
         async with asyncio.timeout(c.episode_timeout_s):
           traj = await agent.run(
@@ -459,12 +489,38 @@ class RolloutController:
         self._count(episode_timeouts=1, env_failures=1)
         traj = None
         continue
+      finally:
+        self._count(
+          resumed_llm_calls=client.replayed_calls,
+          resumed_tokens=client.resumed_tokens
+          + sum(len(r["tokens"]) for r in client.journal.calls[: client.replayed_calls]),
+          resumed_tool_calls=tools.replayed_tools if tools is not None else 0,
+          resumed_diverged=int(client.mismatched),
+        )
       if not traj.environment_failure:
         return traj
       self._count(env_failures=1)
     if traj is not None:
       self._count(episodes_dropped=1)
     return traj
+
+  def _journaled_agent(
+    self, group: _GroupJournal, i: int, saved: EpisodeJournal | None
+  ) -> tuple[Agent, JournalClient, JournalToolBox | None]:
+    """A fresh agent whose engine and tool calls are recorded into (and, when resuming, first
+    answered from) the episode's journal."""
+    journal = EpisodeJournal()
+    with self._lock:
+      group.episodes[i] = journal
+    agent = self.agent_factory()
+    stops = agent.tokenizer.stop_token_ids
+    client = JournalClient(agent.client, journal, saved, default_stop_ids=stops)
+    agent.client = client
+    tools = None
+    if agent.toolbox is not None:
+      tools = JournalToolBox(agent.toolbox, journal, saved)
+      agent.toolbox = tools
+    return agent, client, tools
 
   def _record_trajectory(self, t: Trajectory, score: float | None) -> None:
     s = t.stats()
@@ -484,6 +540,38 @@ class RolloutController:
       tool_calls=s["num_search"] + s["num_access"],
       generated_tokens=s["num_output_tokens"],
       interrupted_trajectories=int(_interrupted(t)),
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class _GroupJournal:
+  """A running group: its item, admission version and time, and one journal per episode."""
+
+  key: str
+  index: int
+  version: int
+  created_at: float
+  episodes: list[EpisodeJournal]
+  resumed: bool = False
+
+  def snapshot(self) -> dict[str, Any]:
+    return {
+      "key": self.key,
+      "index": self.index,
+      "version": self.version,
+      "created_at": self.created_at,
+      "episodes": [e.snapshot() for e in self.episodes],
+    }
+
+  @classmethod
+  def from_snapshot(cls, d: Mapping[str, Any]) -> _GroupJournal:
+    return cls(
+      key=d["key"],
+      index=int(d["index"]),
+      version=int(d["version"]),
+      created_at=float(d["created_at"]),
+      episodes=[EpisodeJournal.from_snapshot(e) for e in d["episodes"]],
+      resumed=True,
     )
 
 

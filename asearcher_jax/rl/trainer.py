@@ -6,16 +6,20 @@ One step, in named phases:
   wait_batch   take B groups (oldest first) from the replay queue; the wait is trainer idle time;
   train        `learner.train_step(groups)`: prox logprobs, advantages, PPO update(s); version+1;
   sync         push the new weights to the engine(s), then `staleness.set_version`;
-  checkpoint   params + optimizer, version, data cursor, staleness counters and the ids of the
-               groups trained since the last checkpoint, then `replay.commit` of those ids (so a
+  checkpoint   params + optimizer, version, data cursor, staleness counters, the journals of
+               the episodes in flight and the ids of the groups trained since the last
+               checkpoint, then `replay.commit` of those ids (so a
                crash either retrains them with the old weights or never sees them again);
   log          reward, accuracy, turns, tokens, tool calls, staleness (from token versions),
                idle fraction, engine occupancy, tokens/s, losses, clip/importance stats.
 
 Resume (`restore`): the latest checkpoint in the run directory restores the learner and its
 version; groups trained-but-uncommitted at the crash are committed now (the checkpoint has
-their updates); the staleness counters restart at accepted = v * B + queued groups; the cursor
-skips items whose groups survived in the replay log; the engine gets the restored weights.
+their updates); the staleness counters restart at accepted = v * B + queued groups; the groups
+that were in flight at the checkpoint resume from their journals (`rl.inflight`: finished calls
+and tool results are replayed, partial generations continue) unless their result already sits in
+the replay log; the cursor skips items whose groups survived there; the engine gets the restored
+weights.
 Synchronous RL is the same loop with eta = 0.
 """
 
@@ -225,12 +229,19 @@ class Trainer:
       "version": version,
       "uncommitted": list(self._uncommitted),
       "staleness": self.staleness.state_dict(),
-      "rollout": self.rollout.state_dict() if self.rollout is not None else None,
+      "rollout": self._rollout_state(),
     }
     self.checkpointer.save(version, {"train_state": self.learner.state, "meta": meta}, force=True)
     self.checkpointer.wait()  # the commit below must not outrun the checkpoint
     self._commit()
     return {"checkpoint/version": float(version)}
+
+  def _rollout_state(self) -> dict[str, Any] | None:
+    """Cursor + in-flight journals, minus groups this process already trained (a pushed group
+    can be trained before the rollout loop drops its journal)."""
+    if self.rollout is None:
+      return None
+    return self.rollout.state_dict(exclude_groups=[i for ids in self.trained_ids for i in ids])
 
   def _commit(self) -> None:
     if self._uncommitted:

@@ -169,14 +169,26 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
   queued = pending_on_disk(run_dir / "replay")
   assert sorted(pushed) == sorted(committed + discarded + queued)  # nothing vanished
 
+  # The checkpoint holds the episodes in flight at step 3, with what they had generated so far.
+  with Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"))) as ckpt:
+    _, items = ckpt.restore({"meta": None}, 3)
+  inflight = [g for g in items["meta"]["rollout"]["inflight"] if f"{g['key']}/" not in str(queued)]
+  saved_tokens = sum(
+    len(c["tokens"]) for g in inflight for e in g["episodes"] for c in e["calls"]
+  ) + sum(len((e["partial"] or {"tokens": ()})["tokens"]) for g in inflight for e in g["episodes"])
+
   # --- second life: new objects, same run directory, 2 more steps ------------------------------
   run2 = build(run_dir, byte_tok_dir, eta=1, steps=5)
   try:
     assert run2.start(retrieval_index_dir=str(shipped_index_dir)) == 3
     assert run2.learner.version == 3 and run2.driver.version == 3 and run2.staleness.version == 3
     run2.trainer.run()
+    rollout2 = run2.rollout.metrics(reset=False)
   finally:
     run2.close()
+  # Groups in flight at the checkpoint resumed from their journals instead of starting over.
+  assert rollout2.get("rollout/groups_resumed", 0) == len(inflight)
+  assert rollout2.get("rollout/resumed_tokens", 0) >= saved_tokens
   trained2 = [i for step in run2.trainer.trained_ids for i in step]
   assert run2.learner.version == 5 and not set(trained1) & set(trained2)
   check_history(run2.trainer.history, eta=1)
