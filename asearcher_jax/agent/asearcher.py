@@ -52,7 +52,8 @@ class AsearcherAgentConfig:
   compact_search_results: bool = False
   # Pending read jobs kept at most (the original's queue capacity); extra chunks are dropped.
   max_jobs: int = 128
-  # Prompt: "train" (R1-style, with access sentence unless search_only) or "eval".
+  # Prompt: "train" (R1-style, with access sentence unless search_only), "eval", or "synthwiki"
+  # (`prompts.synthwiki_prompt`: compact, for small models trained from scratch).
   prompt: str = "train"
   # SEARCH_ONLY training prompt (the released default); the agent still executes <access>.
   search_only: bool = False
@@ -62,8 +63,8 @@ class AsearcherAgentConfig:
   def __post_init__(self) -> None:
     if self.max_turns < 1 or self.max_new_tokens < 1 or self.max_tokens < 1:
       raise ValueError("max_turns, max_new_tokens and max_tokens must be positive")
-    if self.prompt not in ("train", "eval"):
-      raise ValueError(f"prompt must be 'train' or 'eval', got {self.prompt!r}")
+    if self.prompt not in ("train", "eval", "synthwiki"):
+      raise ValueError(f"prompt must be 'train', 'eval' or 'synthwiki', got {self.prompt!r}")
 
   def toolbox_config(self) -> ToolBoxConfig:
     return ToolBoxConfig(
@@ -106,6 +107,8 @@ class AsearcherAgent(Agent):
   def prompt(self, question: str, valid_inst: bool) -> str:
     if self.config.prompt == "eval":
       return prompts.asearcher_eval_prompt(question)
+    if self.config.prompt == "synthwiki":
+      return prompts.synthwiki_prompt(question)
     return prompts.asearcher_prompt(
       question, access=not self.config.search_only, valid_inst=valid_inst
     )

@@ -64,6 +64,19 @@ def asearcher_eval_prompt(question: str) -> str:
   return fill(EVAL_PROMPT_TEMPLATE, question=question)
 
 
+# The quickstart's tiny policy has a 1-2k token context: the same tag protocol, said in ~50 tokens.
+SYNTHWIKI_PROMPT_TEMPLATE = (
+  "Answer the question. Search with <search> query </search>, open a page with <access> url "
+  "</access>, think inside <think> </think> and give the answer as <answer> answer </answer>."
+  "\nQuestion: {question}\n<think>\n"
+)
+
+
+def synthwiki_prompt(question: str) -> str:
+  """The compact prompt for small models trained from scratch on SynthWiki."""
+  return fill(SYNTHWIKI_PROMPT_TEMPLATE, question=question)
+
+
 SEARCH_R1_PROMPT = (
   "Answer the given question. You must conduct reasoning inside <think> and </think> first every "
   "time you get new information. After reasoning, if you find you lack some knowledge, you can "
