@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
   "index": "asearcher_jax.tools.retrieval.commands:build_index",
   "serve-retrieval": "asearcher_jax.tools.retrieval.commands:serve",
   "train": "asearcher_jax.rl.commands:train",
+  "sft": "asearcher_jax.training.commands:sft",
   "eval": "asearcher_jax.evaluation.commands:evaluate",
 }
 

@@ -123,6 +123,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     tie_word_embeddings=True,
     max_position_embeddings=4096,
   ),
+  # ~2.4M parameters for SFT/RL from scratch on a synthetic world; vocab_size is a placeholder that
+  # `asearcher sft` replaces with the world tokenizer's size (rounded up).
+  "synthwiki-2m": dict(
+    vocab_size=4096,
+    hidden_size=192,
+    intermediate_size=512,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+  ),
   # ~28M parameters with an 8k vocabulary (a world-sized tokenizer): the CPU benchmark size.
   "bench-30m": dict(
     vocab_size=8192,
