@@ -27,6 +27,9 @@ SUBCOMMANDS: dict[str, str] = {
   "train": "asearcher_jax.rl.commands:train",
   "sft": "asearcher_jax.training.commands:sft",
   "eval": "asearcher_jax.evaluation.commands:evaluate",
+  "synth": "asearcher_jax.data.synthesis.commands:synth",
+  "quickstart": "asearcher_jax.quickstart.pipeline:quickstart",
+  "warm-start": "asearcher_jax.quickstart.warm_start:warm_start",
 }
 
 # Where gin files are looked up: the working directory, then the repository root. Includes are
