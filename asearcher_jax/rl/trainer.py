@@ -148,16 +148,40 @@ class Trainer:
 
   # --- the loop --------------------------------------------------------------------------------
 
-  def run(self) -> dict[str, float]:
-    """Trains until `train_steps`; returns the last step's metrics."""
+  def run(
+    self,
+    *,
+    max_seconds: float | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+  ) -> dict[str, float]:
+    """Trains until `train_steps` (or, when given, until a step ends past `max_seconds`, for
+    fixed-time runs like the quickstart); returns the last step's metrics. `on_step` sees each
+    step's metrics (progress displays)."""
     last: dict[str, float] = {}
     self._t_start = time.perf_counter()
     if self.engine_stats is not None:
       self._tokens_before = float(self.engine_stats().get("tokens_generated", 0.0))
     while self.learner.version < self.config.train_steps:
       last = self.step()
+      if on_step is not None:
+        on_step(last)
+      if max_seconds is not None and time.perf_counter() - self._t_start >= max_seconds:
+        log.info("time budget of %.0f s reached at version %d", max_seconds, self.learner.version)
+        if self.checkpointer is not None and self.config.checkpoint_every:
+          self._final_checkpoint()
+        break
     self.writer.flush()
     return last
+
+  def _final_checkpoint(self) -> None:
+    """A checkpoint of the last step when the time budget ends the run between checkpoints."""
+    if self.checkpointer.latest_step() != self.learner.version:
+      saved = self.config.train_steps
+      try:
+        self.config = dataclasses.replace(self.config, train_steps=self.learner.version)
+        self._checkpoint()
+      finally:
+        self.config = dataclasses.replace(self.config, train_steps=saved)
 
   def step(self) -> dict[str, float]:
     t0 = time.perf_counter()
