@@ -42,14 +42,14 @@ from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.training import commands as sft_commands
 from asearcher_jax.training.sft import SFTConfig
 
-# The SFT recipe of the shipped warm start (about 2.4M tokens: ~3 epochs of the expert data).
+# The SFT recipe of the shipped warm start (about 5.7M tokens: ~5 epochs of the expert data).
 WARM_START_SFT = SFTConfig(
-  steps=300, row_len=1024, rows_per_batch=8, eval_every=50, checkpoint_every=50, progress=False
+  steps=700, row_len=1024, rows_per_batch=8, eval_every=100, checkpoint_every=100, progress=False
 )
 WARM_START_OPTIMIZER = steps.OptimizerConfig(
   learning_rate=2e-3,
-  warmup_steps=30,
-  total_steps=300,
+  warmup_steps=50,
+  total_steps=700,
   end_lr_ratio=0.1,
   weight_decay=0.01,
   grad_clip=1.0,
@@ -76,7 +76,9 @@ def evaluate_model_dir(
   from asearcher_jax.serving.engine import Engine
 
   policy, tokenizer, _ = build_policy(str(model_dir), None, str(model_dir), seed)
-  driver = Driver(Engine.from_model(policy, tokenizer, engine), DriverConfig())
+  eng = Engine.from_model(policy, tokenizer, engine)
+  eng.warmup(modes=("greedy", "sample"))  # compile once, so evaluation times are serving times
+  driver = Driver(eng, DriverConfig())
   try:
     with RetrievalThread(files.index) as server:
       common = dict(
@@ -95,7 +97,7 @@ def warm_start(
   *,
   out_dir: str = "runs/warm_start",
   world: SynthWikiConfig = QUICKSTART_WORLD,
-  samples_per_question: int = 2,
+  samples_per_question: int = 1,
   imperfection: float = 0.15,
   model: str = "synthwiki-2m",
   sft: SFTConfig = WARM_START_SFT,
@@ -104,6 +106,7 @@ def warm_start(
   k: int = 4,
   temperature: float = 1.0,
   ship_to: str | None = None,
+  engine: EngineConfig = QUICKSTART_ENGINE,
   seed: int = 0,
 ) -> int:
   """Makes (or, rerun on the same out_dir, resumes) the SynthWiki warm start; see module doc.
@@ -118,6 +121,7 @@ def warm_start(
     eval_questions / k / temperature: held-out evaluation (the quickstart's settings).
     ship_to: copy the model directory and its card here (the quickstart's default is
       asearcher_jax/assets/checkpoints/synthwiki_sft).
+    engine: the evaluation engine's slots, context and prefill buckets.
     seed: expert and evaluation seed.
   """  # fmt: skip
   t0 = time.time()
@@ -143,7 +147,7 @@ def warm_start(
   with tracker.stage("eval"):
     scores = evaluate_model_dir(
       model_dir, files, out / "eval", eval_questions=eval_questions, k=k,
-      temperature=temperature, seed=seed,
+      temperature=temperature, engine=engine, seed=seed,
     )  # fmt: skip
   with tracker.stage("card"):
     card = {
@@ -214,7 +218,7 @@ def _write_card(path: Path, card: dict[str, Any], sft_card: Path) -> None:
     "",
     f"Wall time of the whole command: {card['wall_s']:.0f} s on this machine (stages: "
     + ", ".join(f"{k} {v:.0f} s" for k, v in card["stages_s"].items())
-    + f"). SFT: {s.get('steps', '?')} steps.",
+    + f"). SFT: {s.get('step', '?')} steps.",
     "",
     "---",
     "",

@@ -1,0 +1,48 @@
+"""The quickstart's stage display (order, ETA from measured speed) and report helpers."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from asearcher_jax.quickstart import report
+from asearcher_jax.quickstart.stages import StageTracker
+
+
+def test_stages_run_in_order_and_eta_rescales_by_measured_speed(monkeypatch):
+  now = [0.0]
+  monkeypatch.setattr("asearcher_jax.quickstart.stages.time.perf_counter", lambda: now[0])
+  out = io.StringIO()
+  tracker = StageTracker([("a", 5.0), ("b", 20.0)], stream=out, rich=False)
+  with pytest.raises(ValueError, match="out of order"), tracker.stage("b"):
+    pass
+  with tracker.stage("a"):
+    now[0] = 10.0  # took 10 s for an estimate of 5: everything is 2x slower than estimated
+  assert tracker.timings() == {"a": 10.0}
+  assert tracker.eta_s() == pytest.approx(40.0)  # b's 20 s estimate, rescaled
+  with tracker.stage("b") as st:
+    st.update(0.5)
+    assert tracker.eta_s(st) == pytest.approx(20.0)
+  lines = out.getvalue().splitlines()
+  assert lines[0].startswith("[quickstart [1/2] a]") and "ETA" in lines[0]
+  assert any("[2/2] b" in x and "50%" in x for x in lines)
+
+
+def test_metrics_curves_windows_and_plots(tmp_path):
+  log = tmp_path / "metrics.jsonl"
+  rows = [{"step": s, "time": 0.0, "rollout/tool_calls": float(s), "rollout/reward": 0.1 * s}
+          for s in range(1, 9)]  # fmt: skip
+  rows.append({"step": 8, "time": 1.0, "rollout/tool_calls": 10.0})  # a resumed step wins
+  log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  got = report.read_metrics(log)
+  assert [r["step"] for r in got] == list(range(1, 9))
+  curves = report.curves(got)
+  assert curves["rollout/tool_calls"][-1] == (8, 10.0)
+  assert report.window_mean(curves["rollout/tool_calls"], first=True) == 1.5  # steps 1-2
+  assert report.window_mean(curves["rollout/tool_calls"], first=False) == 8.5  # steps 7-8
+  paths = report.write_plots(curves, tmp_path / "plots")
+  assert {p.name for p in paths} == {"reward.png", "accuracy.png", "turns.png",
+                                     "tool_calls.png", "training.png"}  # fmt: skip
+  assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
