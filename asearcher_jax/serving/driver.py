@@ -6,8 +6,16 @@ and runs short phases in a loop:
 
   apply a pending weight update (swap, then re-prefill every in-flight slot with prompt + tokens
   so far, so decoding continues under the new weights) -> free aborted/cancelled slots -> admit
-  queued requests into free slots (bucketed prefill + insert) -> one generate step for all slots
-  -> hand finished requests back to their asyncio loops.
+  queued requests into free slots (bucketed prefill + insert) -> dispatch generate step t+1 ->
+  read back step t's tokens and hand finished requests back to their asyncio loops.
+
+The loop runs one step ahead: step t+1 is dispatched (JAX dispatch is asynchronous) before step
+t's tokens are read back, so the device computes t+1 while this thread does t's bookkeeping, the
+next admissions and the next dispatch. A request that stops at step t has one more token computed
+for it at t+1; that token is never recorded (each step remembers which request owned each slot
+when it was dispatched, and a slot's token counts only if the same request still owns it), so
+results are exactly those of a lock-step loop. A weight update first drains the step in flight,
+so re-prefill sees every token produced under the old weights.
 
 Callers use `await driver.generate(...)` from any event loop; thousands of requests queue for the
 slots. An exception fails the requests it touched, with the reason, and the loop keeps serving.
@@ -30,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from asearcher_jax.serving.engine import LOGPROB, TOKEN, VERSION, DecodeState, Engine
+from asearcher_jax.serving.jetstream import engine_api
 from asearcher_jax.serving.sampling import mode_for
 from asearcher_jax.serving.types import GenerationResult, SamplingParams, StopReason
 
@@ -76,6 +85,14 @@ class _Request:
 
 
 @dataclasses.dataclass
+class _InFlight:
+  """A dispatched generate step whose tokens have not been read back yet."""
+
+  result: engine_api.ResultTokens  # device arrays; reading them waits for the step
+  owners: list[_Request | None]  # the request in each slot when the step was dispatched
+
+
+@dataclasses.dataclass
 class _Update:
   params: nnx.State
   version: int
@@ -92,6 +109,7 @@ class Driver:
     self._version = int(self._params.version)
     self._state: DecodeState = engine.init_decode_state()
     self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
+    self._in_flight: _InFlight | None = None  # engine thread only
     self._lock = threading.Lock()  # guards _queue, _by_id, _update
     self._queue: collections.deque[_Request] = collections.deque()
     self._by_id: dict[str, _Request] = {}
@@ -220,7 +238,7 @@ class Driver:
         self._apply_update()
         self._reap_aborted()
         admitted = self._admit()
-        if any(r is not None for r in self._slots):
+        if self._in_flight is not None or any(r is not None for r in self._slots):
           self._step()
         elif not admitted:
           self._wake.wait(self.cfg.idle_wait_s)
@@ -229,6 +247,7 @@ class Driver:
         log.exception("engine driver loop error")
         self.metrics["engine_errors"] += 1
         self._fail_active(EngineError(f"engine failure: {type(e).__name__}: {e}"))
+    self._in_flight = None
     self._fail_active(EngineError("driver closed"))
     with self._lock:
       pending = list(self._queue)
@@ -241,8 +260,9 @@ class Driver:
       update, self._update = self._update, None
     if update is None:
       return
-    t0 = time.perf_counter()
     try:
+      self._drain()  # re-prefill must see the tokens of the step in flight (old weights)
+      t0 = time.perf_counter()
       self._params = self.engine.versioned(update.params, update.version)
       self._version = update.version
       for slot, req in enumerate(self._slots):
@@ -317,39 +337,77 @@ class Driver:
       return
     self.metrics["prefill_s"] += time.perf_counter() - t0
     for i, (req, slot) in enumerate(zip(chunk, slots, strict=True)):
-      if self._append(req, int(first[i]), float(logprobs[i]), int(versions[i])):
-        continue  # finished on its first token: its slot stays free
+      reason = self._append(req, int(first[i]), float(logprobs[i]), int(versions[i]))
+      if reason is not None:
+        self._finish(req, reason)  # finished on its first token: its slot stays free
+        continue
       req.slot = slot
       self._slots[slot] = req
 
   def _step(self) -> None:
+    """Dispatches the next step for the live slots, then records the previous step's tokens."""
+    previous, self._in_flight = self._in_flight, None
     t0 = time.perf_counter()
-    try:
-      # Each live slot feeds its pending token at position len(prompt) + len(tokens) - 1.
-      live = [r for r in self._slots if r is not None]
-      longest = max(len(r.prompt) + len(r.tokens) for r in live)
-      mode = mode_for(r.sampling for r in live)
-      self._state, result = self.engine.generate(
-        self._params, self._state, max_length=longest, mode=mode
-      )
-      data = np.asarray(result.data)
-    except Exception as e:
-      log.exception("generate step failed")
-      self.metrics["engine_errors"] += 1
-      self._state = self.engine.init_decode_state()  # the old one may have been donated
-      self._fail_active(EngineError(f"generate step failed: {type(e).__name__}: {e}"))
-      return
+    live = [(slot, r) for slot, r in enumerate(self._slots) if r is not None]
+    if live:
+      # Each live slot feeds its pending token at position len(prompt) + len(tokens) - 1, where
+      # tokens include the one the previous step (not yet read back) produces for it.
+      def length(slot: int, r: _Request) -> int:
+        ahead = previous is not None and previous.owners[slot] is r
+        return len(r.prompt) + len(r.tokens) + ahead
+
+      longest = max(length(slot, r) for slot, r in live)
+      mode = mode_for(r.sampling for _, r in live)
+      try:
+        self._state, result = self.engine.generate(
+          self._params, self._state, max_length=longest, mode=mode
+        )
+      except Exception as e:
+        self._generate_failed(e)
+        return
+      self._in_flight = _InFlight(result=result, owners=list(self._slots))
+    if previous is not None:
+      self._collect(previous)
     self.metrics["decode_s"] += time.perf_counter() - t0
+
+  def _drain(self) -> None:
+    """Reads back and records the step in flight, if any (before anything that needs every
+    slot's tokens up to date)."""
+    previous, self._in_flight = self._in_flight, None
+    if previous is not None:
+      t0 = time.perf_counter()
+      self._collect(previous)
+      self.metrics["decode_s"] += time.perf_counter() - t0
+
+  def _collect(self, step: _InFlight) -> None:
+    try:
+      data = np.asarray(step.result.data)  # waits for the step
+    except Exception as e:  # a failure inside the step surfaces here
+      self._generate_failed(e)
+      return
     logprobs = data[:, LOGPROB].astype(np.int32).view(np.float32)
-    for slot, req in enumerate(self._slots):
-      if req is None:
+    for slot, req in enumerate(step.owners):
+      # A request that finished or was aborted after this step was dispatched no longer owns
+      # its slot (it may hold a new request already): the token computed for it is dropped.
+      if req is None or self._slots[slot] is not req:
         continue
       self.metrics["decode_tokens"] += 1
-      if self._append(req, int(data[slot, TOKEN]), float(logprobs[slot]), int(data[slot, VERSION])):
-        self._slots[slot] = None
+      reason = self._append(
+        req, int(data[slot, TOKEN]), float(logprobs[slot]), int(data[slot, VERSION])
+      )
+      if reason is not None:
+        self._slots[slot] = None  # before the caller can see the result: stats never lag it
+        self._finish(req, reason)
 
-  def _append(self, req: _Request, token: int, logprob: float, version: int) -> bool:
-    """Records one generated token; finishes the request (returns True) if it should stop."""
+  def _generate_failed(self, e: Exception) -> None:
+    log.exception("generate step failed")
+    self.metrics["engine_errors"] += 1
+    self._in_flight = None  # computed from the failed state, if at all
+    self._state = self.engine.init_decode_state()  # the old one may have been donated
+    self._fail_active(EngineError(f"generate step failed: {type(e).__name__}: {e}"))
+
+  def _append(self, req: _Request, token: int, logprob: float, version: int) -> StopReason | None:
+    """Records one generated token; returns why the request stops now, or None."""
     req.tokens.append(token)
     req.logprobs.append(logprob)
     req.versions.append(version)
@@ -359,10 +417,7 @@ class Driver:
       reason = "stop"
     elif len(req.tokens) >= req.max_new_tokens:
       reason = "length"
-    if reason is None:
-      return False
-    self._finish(req, reason)
-    return True
+    return reason
 
   def _hit_stop_string(self, req: _Request) -> bool:
     longest = max(len(s) for s in req.stop)
@@ -370,6 +425,7 @@ class Driver:
     return any(s in window for s in req.stop)
 
   def _fail_active(self, error: Exception) -> None:
+    self._in_flight = None  # its tokens belong to the requests failed here
     for slot, req in enumerate(self._slots):
       if req is not None:
         self._slots[slot] = None

@@ -69,18 +69,27 @@ def _truncate(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Arra
   return jnp.where(keep, scaled, _NEG_INF)
 
 
-def argmax(x: jax.Array, block: int = 128) -> jax.Array:
-  """First index of the row maximum, [S, V] -> [S]. Block maxima first, then an argmax over the
-  blocks and one within the winning block: XLA:CPU's variadic argmax reduction over a 150k
-  vocabulary is ~10x slower than these plain reductions. Ties resolve to the first index."""
+def argmax_with_max(x: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
+  """First index of the row maximum and the maximum itself, [S, V] -> ([S] int32, [S]). Block
+  maxima first, then an argmax over the blocks and one within the winning block: XLA:CPU's
+  variadic argmax reduction over a 150k vocabulary is ~10x slower than these plain reductions.
+  The row maximum falls out of the block maxima, so callers that also need it (log-softmax) skip
+  a full pass over the vocabulary. Ties resolve to the first index."""
   rows, vocab = x.shape
   nb = -(-vocab // block)
   if nb * block != vocab:
     x = jnp.pad(x, ((0, 0), (0, nb * block - vocab)), constant_values=-jnp.inf)
   xb = x.reshape(rows, nb, block)
-  b = jnp.argmax(xb.max(-1), axis=-1)
+  block_max = xb.max(-1)
+  b = jnp.argmax(block_max, axis=-1)
   inner = jnp.take_along_axis(xb, b[:, None, None], axis=1)[:, 0]
-  return (b * block + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+  best = (b * block + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+  return best, jnp.take_along_axis(block_max, b[:, None], axis=1)[:, 0]
+
+
+def argmax(x: jax.Array, block: int = 128) -> jax.Array:
+  """First index of the row maximum, [S, V] -> [S] (see argmax_with_max)."""
+  return argmax_with_max(x, block)[0]
 
 
 def _inverse_cdf(keys: jax.Array, weights: jax.Array, block: int = 256) -> jax.Array:
@@ -137,15 +146,23 @@ def sample(
   greedy = temperature <= 0.0
   temp = jnp.where(greedy, 1.0, temperature)[:, None]
   logits = logits.astype(jnp.float32)
-  best = argmax(logits)
+  best, top = argmax_with_max(logits)
   if mode == "greedy":
-    return best, token_logprobs(logits, best, temp)
+    # The chosen logit is the row maximum, so token_logprobs(logits, best, temp)
+    # = (top - top) / temp - log sum exp((logits - top) / temp): the same arithmetic in one pass
+    # over [S, V] (the exp-sum) instead of three (max, exp-sum, gather).
+    return best, -jnp.log(jnp.sum(jnp.exp((logits - top[:, None]) / temp), axis=-1))
   step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
   if mode == "sample":
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    drawn = _inverse_cdf(step_keys, jnp.exp((logits - m) / temp))
-  else:
-    scaled = _truncate(logits / temp, top_p, top_k)
-    drawn = _inverse_cdf(step_keys, jax.nn.softmax(scaled, axis=-1))
+    # exp((logits - max) / temp) is both the draw's weights and token_logprobs' exp-sum terms:
+    # computed once, it serves both (one exp pass over [S, V] instead of two, and no second max).
+    m = top[:, None]
+    weights = jnp.exp((logits - m) / temp)
+    drawn = _inverse_cdf(step_keys, weights)
+    tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
+    return tokens, ((picked - m) / temp)[:, 0] - jnp.log(jnp.sum(weights, axis=-1))
+  scaled = _truncate(logits / temp, top_p, top_k)
+  drawn = _inverse_cdf(step_keys, jax.nn.softmax(scaled, axis=-1))
   tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
   return tokens, token_logprobs(logits, tokens, temp)

@@ -33,6 +33,9 @@ def test_argmax_matches_numpy_including_ties():
   x = rng.standard_normal((4, 1000)).astype(np.float32)
   x[2, [10, 700]] = 50.0  # tie: the first index wins, as np.argmax
   assert np.asarray(sampling.argmax(jnp.asarray(x))).tolist() == np.argmax(x, -1).tolist()
+  best, top = sampling.argmax_with_max(jnp.asarray(x[:, :999]))  # 999: a ragged last block
+  assert np.asarray(best).tolist() == np.argmax(x[:, :999], -1).tolist()
+  assert np.asarray(top).tolist() == x[:, :999].max(-1).tolist()
 
 
 def test_inverse_cdf_draws_the_softmax_distribution():
