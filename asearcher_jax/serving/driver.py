@@ -179,6 +179,17 @@ class Driver:
       self.abort(req.id)  # frees the slot at the next step boundary
       raise
 
+  def progress(self, request_id: str) -> tuple[list[int], list[float], list[int]] | None:
+    """(tokens, logprobs, versions) a request in flight has generated so far, or None if it is
+    unknown or finished. Read by checkpoints of in-flight episodes (`rl.inflight`), so the
+    tokens already paid for survive a crash."""
+    with self._lock:
+      req = self._by_id.get(request_id)
+    if req is None:
+      return None
+    n = len(req.versions)  # appended last: the three lists agree up to n
+    return list(req.tokens[:n]), list(req.logprobs[:n]), list(req.versions[:n])
+
   def abort(self, request_id: str) -> bool:
     """Aborts a request; it returns what it generated so far with stop_reason "abort"."""
     with self._lock:

@@ -10,6 +10,7 @@ import json
 import threading
 
 import pytest
+from flax import nnx
 
 from asearcher_jax.agent import AsearcherAgent
 from asearcher_jax.rl.inflight import (
@@ -27,6 +28,7 @@ from asearcher_jax.testing import ScriptedClient, fake_toolbox
 from asearcher_jax.tokenizer import Tokenizer
 from asearcher_jax.tools.toolbox import ToolCall
 from tests.rl.test_rollout import AGENT, ITEMS, wait_for
+from tests.serving.conftest import make_driver, tiny_model, tokenizer  # noqa: F401
 
 EOS = 99
 
@@ -220,3 +222,41 @@ def test_groups_already_queued_are_not_resumed(tok):
   other, _ = run_controller(tok, gate=None, version=1, box=fake_toolbox(), clients=[], start=False)
   other.load_state_dict(state, queued_ids=["e0/i1/q1"])  # accepted before the crash
   assert [j.key for j in other._resume] == ["e0/i0"]
+
+
+def test_real_driver_partial_generation_survives_a_crash_and_continues_with_new_weights(
+  make_driver,  # noqa: F811
+):
+  """The in-process driver's progress is journaled; after the crash a driver with new weights
+  continues the saved tokens (old version) with its own greedy continuation (new version)."""
+  old = make_driver(tiny_model(seed=0), slots=2, max_seq_len=128, buckets=(16, 32, 64, 128))
+  prompt, greedy = [5, 9, 14, 3, 7], SamplingParams(temperature=0.0)
+
+  async def crash() -> dict:
+    journal = EpisodeJournal()
+    client = JournalClient(old, journal)
+    task = asyncio.create_task(client.generate(prompt, greedy, 80, stop_token_ids=[]))
+    while len((journal.snapshot()["partial"] or {"tokens": ()})["tokens"]) < 10:
+      assert not task.done()
+      await asyncio.sleep(0.001)
+    saved = json.loads(json.dumps(journal.snapshot()))
+    task.cancel()
+    return saved
+
+  saved = asyncio.run(crash())
+  partial = saved["partial"]
+  k = len(partial["tokens"])
+  assert 10 <= k < 80 and set(partial["versions"]) == {0}
+  reference = asyncio.run(old.generate(prompt, greedy, 80, stop_token_ids=[]))
+  assert partial["tokens"] == reference.tokens[:k]  # the tokens the old weights produced
+
+  model = tiny_model(seed=1)
+  new = make_driver(model, slots=2, max_seq_len=128, buckets=(16, 32, 64, 128))
+  new.update_params(nnx.state(model, nnx.Param), version=1)
+  resumed = JournalClient(new, EpisodeJournal(), EpisodeJournal.from_snapshot(saved))
+  got = asyncio.run(resumed.generate(prompt, greedy, 80, stop_token_ids=[]))
+  cont = asyncio.run(new.generate(prompt + partial["tokens"], greedy, 80 - k, stop_token_ids=[]))
+  assert got.tokens == partial["tokens"] + cont.tokens and len(got.tokens) == 80
+  assert got.versions == [0] * k + [1] * (80 - k)
+  assert got.logprobs[:k] == pytest.approx(partial["logprobs"])
+  assert resumed.resumed_tokens == k
