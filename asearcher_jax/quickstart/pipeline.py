@@ -156,7 +156,7 @@ def quickstart(
   group_size: int = 4,
   max_staleness: int = 4,
   max_concurrent: int = 12,
-  learning_rate: float = 1e-4,
+  learning_rate: float = 5e-4,
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
   eval_concurrency: int = 32,

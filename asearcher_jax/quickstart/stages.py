@@ -15,6 +15,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
+# Seconds of "as estimated" evidence the ETA starts from (see StageTracker._speed).
+PRIOR_S = 30.0
+
 
 def _fmt_s(s: float) -> str:
   s = max(round(s), 0)
@@ -72,10 +75,11 @@ class StageTracker:
       self._task = self._progress.add_task(prefix, total=sum(self.estimates), eta="?")
 
   def _speed(self) -> float:
-    """Actual / estimated time of the finished stages (1 before any finished)."""
-    if not self.actual:
-      return 1.0
-    return sum(self.actual.values()) / sum(self.estimates[i] for i in self.actual)
+    """Actual / estimated time of the finished stages, shrunk towards 1 by a prior worth
+    `PRIOR_S` seconds, so a few-second first stage cannot rescale a long pipeline."""
+    actual = sum(self.actual.values())
+    estimated = sum(self.estimates[i] for i in self.actual)
+    return (actual + PRIOR_S) / (estimated + PRIOR_S)
 
   def eta_s(self, current: Stage | None = None) -> float:
     speed = self._speed()

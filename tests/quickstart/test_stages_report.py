@@ -8,7 +8,7 @@ import json
 import pytest
 
 from asearcher_jax.quickstart import report
-from asearcher_jax.quickstart.stages import StageTracker
+from asearcher_jax.quickstart.stages import PRIOR_S, StageTracker
 
 
 def test_stages_run_in_order_and_eta_rescales_by_measured_speed(monkeypatch):
@@ -19,12 +19,13 @@ def test_stages_run_in_order_and_eta_rescales_by_measured_speed(monkeypatch):
   with pytest.raises(ValueError, match="out of order"), tracker.stage("b"):
     pass
   with tracker.stage("a"):
-    now[0] = 10.0  # took 10 s for an estimate of 5: everything is 2x slower than estimated
+    now[0] = 10.0  # took 10 s for an estimate of 5: slower than estimated
   assert tracker.timings() == {"a": 10.0}
-  assert tracker.eta_s() == pytest.approx(40.0)  # b's 20 s estimate, rescaled
+  speed = (10.0 + PRIOR_S) / (5.0 + PRIOR_S)  # measured 2x, shrunk towards 1 by the prior
+  assert tracker.eta_s() == pytest.approx(20.0 * speed)  # b's 20 s estimate, rescaled
   with tracker.stage("b") as st:
     st.update(0.5)
-    assert tracker.eta_s(st) == pytest.approx(20.0)
+    assert tracker.eta_s(st) == pytest.approx(10.0 * speed)
   lines = out.getvalue().splitlines()
   assert lines[0].startswith("[quickstart [1/2] a]") and "ETA" in lines[0]
   assert any("[2/2] b" in x and "50%" in x for x in lines)
