@@ -41,10 +41,14 @@ tokens/s / sync trained tokens/s; also the steady-state ratio (steps after the f
 
 Caveat (one machine, no accelerator): the engine thread and the learner share the CPU, so in
 async mode generation and training steps slow each other down -- unlike AReaL, where generation
-and training run on separate GPUs. Every LLM call re-prefills its whole context (no prefix
-cache) and every weight update re-prefills all in-flight slots, so generation here is
-compute-heavy, and async mode can only win what sync mode leaves idle (tool waits, the
-long-tail barrier). The last line is one JSON object.
+and training run on separate GPUs. An LLM call that continues its episode's previous call is
+admitted into that call's parked slot and prefills only the new suffix (driver prefix reuse,
+`--no-prefix-reuse` turns it off; hits, reused and prefilled tokens are reported per mode under
+"prefix") -- unless the slot was reclaimed meanwhile, which happens often in async mode, where
+more episodes are in flight than there are slots. Every weight update re-prefills all in-flight
+slots and forgets the parked ones, so generation here is compute-heavy, and async mode can only
+win what sync mode leaves idle (tool waits, the long-tail barrier). The last line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -134,6 +138,7 @@ class Workload:
   output_len: LogNormal = OUTPUT_LEN
   tool_latency: LogNormal = TOOL_LATENCY
   seed: int = 0
+  prefix_reuse: bool = True
 
 
 @dataclasses.dataclass
@@ -170,7 +175,7 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
   graphdef, params = nnx.split(policy)
   cfg = EngineConfig(max_slots=w.slots, max_seq_len=MAX_SEQ, prefill_buckets=(512, 1024))
   engine = Engine.from_model(policy, tokenizer, cfg)
-  driver = Driver(engine, DriverConfig(request_timeout_s=600.0))
+  driver = Driver(engine, DriverConfig(request_timeout_s=600.0, prefix_reuse=w.prefix_reuse))
   learner = Learner(
     graphdef,
     jax.tree.map(jnp.copy, params),  # the learner donates; the engine keeps its own
@@ -291,7 +296,8 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
     weight_sync=InProcessWeightSync(shared.driver, staleness), rollout=rollout,
     engine_stats=shared.driver.stats,
   )  # fmt: skip
-  tokens0 = float(shared.driver.stats()["tokens_generated"])
+  stats0 = shared.driver.stats()
+  tokens0 = float(stats0["tokens_generated"])
   try:
     with OccupancySampler(shared.driver) as occ:
       rollout.start()
@@ -336,6 +342,12 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
     "groups_accepted": int(ro.get("rollout/groups_accepted", 0)),
     "groups_rejected": int(staleness.stats()["rejected"]),
     "rollout": {k.removeprefix("rollout/"): round(v, 3) for k, v in ro.items()},
+    # Prefix reuse (DriverConfig.prefix_reuse): agent turns admitted into their previous turn's
+    # parked slot, prompt tokens whose keys/values were reused vs prefilled during this mode.
+    "prefix": {
+      k: int(shared.driver.stats().get(k, 0) - stats0.get(k, 0))
+      for k in ("prefix_hits", "prefix_tokens_reused", "prefill_tokens", "prefix_evictions")
+    },
   }
 
 
@@ -355,6 +367,7 @@ def parse(argv: list[str] | None) -> Workload:
   p.add_argument("--k-median", type=float, default=d.k_tools.median)
   p.add_argument("--k-max", type=int, default=int(d.k_tools.high))
   p.add_argument("--seed", type=int, default=d.seed)
+  p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every LLM call")
   p.add_argument("--verbose", action="store_true", help="log every training step")
   a = p.parse_args(argv)
   if a.verbose:
@@ -369,6 +382,7 @@ def parse(argv: list[str] | None) -> Workload:
     hidden=a.hidden, layers=a.layers,
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
+    prefix_reuse=not a.no_prefix_reuse,
   )  # fmt: skip
 
 

@@ -17,6 +17,16 @@ when it was dispatched, and a slot's token counts only if the same request still
 results are exactly those of a lock-step loop. A weight update first drains the step in flight,
 so re-prefill sees every token produced under the old weights.
 
+Prefix reuse (`DriverConfig.prefix_reuse`): a request that leaves its slot (finished or aborted)
+parks it: the slot is marked inactive in the engine (decode steps then neither advance it nor
+write inside its cache rows) and its token sequence is remembered -- prompt + tokens but the
+last, whose keys/values may not exist (it was sampled, and only a step dispatched ahead may have
+fed it; reuse never relies on that). A new request whose prompt starts with a parked sequence (an
+agent's next turn: previous prompt + output + tool result) is admitted into that slot by
+prefilling only the rest of its prompt at that offset, which gives the same tokens and logprobs
+as a full prefill. Parked slots are reclaimed least recently parked first, and forgotten on a
+weight update (their keys/values come from the old weights).
+
 Callers use `await driver.generate(...)` from any event loop; thousands of requests queue for the
 slots. An exception fails the requests it touched, with the reason, and the loop keeps serving.
 """
@@ -58,11 +68,16 @@ class DriverConfig:
     early by new requests, aborts and weight updates).
   max_admit_per_step: prefills between two decode steps, so a burst of new requests cannot
     stall in-flight decoding for long.
+  prefix_reuse: keep a finished request's slot "parked" with its keys/values (prompt + tokens
+    but the last) and admit a later request whose prompt starts with exactly that sequence (an
+    agent's next turn) into it by prefilling only the new suffix. Parked slots are reclaimed
+    least recently used first when no free slot is left, and dropped on a weight update.
   """
 
   request_timeout_s: float = 3600.0
   idle_wait_s: float = 0.05
   max_admit_per_step: int = 8
+  prefix_reuse: bool = True
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,6 +124,9 @@ class Driver:
     self._version = int(self._params.version)
     self._state: DecodeState = engine.init_decode_state()
     self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
+    # Parked slots (prefix reuse), least recently parked first: slot -> the tokens whose
+    # keys/values its cache rows hold (positions 0..len-1). Engine thread only.
+    self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
     self._in_flight: _InFlight | None = None  # engine thread only
     self._lock = threading.Lock()  # guards _queue, _by_id, _update
     self._queue: collections.deque[_Request] = collections.deque()
@@ -234,6 +252,11 @@ class Driver:
       "requests_failed": self.metrics["failed"],
       "requests_aborted": self.metrics["aborted"],
       "engine_errors": self.metrics["engine_errors"],
+      "slots_parked": len(self._parked),
+      "prefix_hits": self.metrics["prefix_hits"],
+      "prefix_tokens_reused": self.metrics["prefix_tokens_reused"],
+      "prefill_tokens": self.metrics["prefill_tokens"],
+      "prefix_evictions": self.metrics["prefix_evictions"],
     }
 
   def close(self, timeout: float = 30.0) -> None:
@@ -276,6 +299,7 @@ class Driver:
       t0 = time.perf_counter()
       self._params = self.engine.versioned(update.params, update.version)
       self._version = update.version
+      self._parked.clear()  # their keys/values come from the old weights
       for slot, req in enumerate(self._slots):
         if req is not None:
           self._reprefill(slot, req)
@@ -302,6 +326,7 @@ class Driver:
     for slot, req in enumerate(self._slots):
       if req is not None and req.aborted:
         self._slots[slot] = None
+        self._park(slot, req)
         self._finish(req, "abort")
     with self._lock:
       aborted = [r for r in self._queue if r.aborted]
@@ -311,14 +336,27 @@ class Driver:
       self._finish(req, "abort")
 
   def _admit(self) -> int:
-    """Fills free slots from the queue: requests of one prefill bucket are prefilled together in
-    chunks of 8/4/2/1 (a handful of compiled shapes), then inserted into their slots."""
-    free = [i for i, r in enumerate(self._slots) if r is None]
+    """Fills free slots from the queue. A request whose prompt extends a parked slot's sequence
+    goes into that slot with a suffix prefill; the rest, grouped by prefill bucket, are prefilled
+    together in chunks of 8/4/2/1 (a handful of compiled shapes) and inserted into free slots,
+    then into reclaimed parked slots (least recently parked first)."""
+    free = [i for i, r in enumerate(self._slots) if r is None and i not in self._parked]
     with self._lock:
-      n = min(len(free), self.cfg.max_admit_per_step, len(self._queue))
+      n = min(len(free) + len(self._parked), self.cfg.max_admit_per_step, len(self._queue))
       taken = [self._queue.popleft() for _ in range(n)]
-    by_bucket: dict[int, list[_Request]] = collections.defaultdict(list)
+    fresh: list[_Request] = []
     for req in taken:
+      slot = self._match(req.prompt)
+      if slot is None:
+        fresh.append(req)
+      else:
+        self._admit_reuse(req, slot, self._parked.pop(slot))
+    free = [i for i, r in enumerate(self._slots) if r is None and i not in self._parked]
+    while len(free) < len(fresh):  # reclaim: the parked slot's prefix is forgotten
+      free.append(self._parked.popitem(last=False)[0])
+      self.metrics["prefix_evictions"] += 1
+    by_bucket: dict[int, list[_Request]] = collections.defaultdict(list)
+    for req in fresh:
       by_bucket[self.engine.bucket_for(len(req.prompt))].append(req)
     for reqs in by_bucket.values():
       while reqs:
@@ -326,6 +364,60 @@ class Driver:
         chunk, reqs = reqs[:size], reqs[size:]
         self._admit_chunk(chunk, [free.pop(0) for _ in chunk])
     return len(taken)
+
+  def _match(self, prompt: list[int]) -> int | None:
+    """The parked slot with the longest sequence that the prompt starts with, or None."""
+    best, best_len = None, 0
+    for slot, seq in self._parked.items():
+      if best_len < len(seq) <= len(prompt) and prompt[: len(seq)] == seq:
+        best, best_len = slot, len(seq)
+    return best
+
+  def _park(self, slot: int, req: _Request) -> None:
+    """Keeps a slot whose request just left it (finished or aborted) for prefix reuse. Its cache
+    holds prompt + tokens[:-1]: the last token was sampled but never fed (a step dispatched
+    ahead may have fed it, but that is not relied upon)."""
+    if not self.cfg.prefix_reuse:
+      return
+    self._state = self.engine.release(self._state, slot)
+    self._parked[slot] = req.prompt + req.tokens[:-1]
+    self._parked.move_to_end(slot)
+
+  def _admit_reuse(self, req: _Request, slot: int, cached: list[int]) -> None:
+    t0 = time.perf_counter()
+    start, bucket, window = self.engine.extend_plan(len(cached), len(req.prompt))
+    try:
+      self._state, tok, lp, version = self.engine.extend_slot(
+        self._params,
+        self._state,
+        slot,
+        req.prompt[start:],
+        start,
+        sampling=req.sampling,
+        seed=req.seed,
+        bucket=bucket,
+        window=window,
+      )
+      first, logprob, version = int(tok), float(lp), int(version)
+    except Exception as e:
+      log.exception("suffix prefill failed for %s", req.id)
+      self.metrics["engine_errors"] += 1
+      self._state = self.engine.init_decode_state()  # the old one may have been donated
+      self._parked.clear()
+      self._fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+      self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+      return
+    self.metrics["prefill_s"] += time.perf_counter() - t0
+    self.metrics["prefix_hits"] += 1
+    self.metrics["prefix_tokens_reused"] += start
+    self.metrics["prefill_tokens"] += len(req.prompt) - start
+    reason = self._append(req, first, logprob, version)
+    if reason is not None:
+      self._park(slot, req)
+      self._finish(req, reason)
+      return
+    req.slot = slot
+    self._slots[slot] = req
 
   def _admit_chunk(self, chunk: list[_Request], slots: list[int]) -> None:
     t0 = time.perf_counter()
@@ -347,9 +439,11 @@ class Driver:
         self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return
     self.metrics["prefill_s"] += time.perf_counter() - t0
+    self.metrics["prefill_tokens"] += sum(len(r.prompt) for r in chunk)
     for i, (req, slot) in enumerate(zip(chunk, slots, strict=True)):
       reason = self._append(req, int(first[i]), float(logprobs[i]), int(versions[i]))
       if reason is not None:
+        self._park(slot, req)
         self._finish(req, reason)  # finished on its first token: its slot stays free
         continue
       req.slot = slot
@@ -408,6 +502,7 @@ class Driver:
       )
       if reason is not None:
         self._slots[slot] = None  # before the caller can see the result: stats never lag it
+        self._park(slot, req)
         self._finish(req, reason)
 
   def _generate_failed(self, e: Exception) -> None:
@@ -415,6 +510,7 @@ class Driver:
     self.metrics["engine_errors"] += 1
     self._in_flight = None  # computed from the failed state, if at all
     self._state = self.engine.init_decode_state()  # the old one may have been donated
+    self._parked.clear()
     self._fail_active(EngineError(f"generate step failed: {type(e).__name__}: {e}"))
 
   def _append(self, req: _Request, token: int, logprob: float, version: int) -> StopReason | None:
@@ -437,6 +533,7 @@ class Driver:
 
   def _fail_active(self, error: Exception) -> None:
     self._in_flight = None  # its tokens belong to the requests failed here
+    self._parked.clear()
     for slot, req in enumerate(self._slots):
       if req is not None:
         self._slots[slot] = None

@@ -45,11 +45,15 @@ class EngineConfig:
   max_seq_len: KV cache length per slot (prompt + generated tokens).
   prefill_buckets: padded prompt lengths, one compiled prefill each; lengths above
     max_seq_len are dropped and max_seq_len is always a bucket.
+  suffix_buckets: extra padded lengths for suffix prefills onto a cached prefix (the driver's
+    prefix reuse: an agent turn appends a few hundred tokens to a context already in a slot);
+    the prefill buckets are suffix buckets too.
   """
 
   max_slots: int = 8
   max_seq_len: int = 2048
   prefill_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+  suffix_buckets: tuple[int, ...] = (32, 64, 128, 256)
 
   def __post_init__(self):
     if self.max_slots < 1 or self.max_seq_len < 2:
@@ -59,6 +63,11 @@ class EngineConfig:
   def buckets(self) -> tuple[int, ...]:
     below = sorted({b for b in self.prefill_buckets if b < self.max_seq_len})
     return (*below, self.max_seq_len)
+
+  @property
+  def extend_buckets(self) -> tuple[int, ...]:
+    below = {b for b in self.suffix_buckets if 0 < b < self.max_seq_len}
+    return tuple(sorted(below | set(self.buckets)))
 
 
 @flax.struct.dataclass
@@ -93,6 +102,10 @@ class DecodeState:
   temperature: jax.Array  # [S]
   top_p: jax.Array  # [S]
   top_k: jax.Array  # [S]
+  # [S] bool: slot holds a request being decoded. Inactive slots (empty, or parked by the
+  # driver's prefix cache) still ride through every step, but write their throwaway key/value at
+  # the last cache position, which no reusable prefix ever covers, and keep their length.
+  active: jax.Array
 
 
 def _prefill(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true_length, key,
@@ -128,6 +141,7 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     temperature=state.temperature.at[slot].set(prefix.temperature),
     top_p=state.top_p.at[slot].set(prefix.top_p),
     top_k=state.top_k.at[slot].set(prefix.top_k),
+    active=state.active.at[slot].set(True),
   )
 
 
@@ -149,12 +163,17 @@ def _generate(
   graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams, state: DecodeState
 ):
   model: Transformer = nnx.merge(graphdef, params.state)
-  start = jnp.minimum(state.lengths, attend_len - 1)  # idle slots must stay inside the window
+  # Live slots stay inside the window (the caller's max_length says so). Inactive slots write at
+  # the cache's last position (never part of a parked prefix: prompt + tokens < max_seq_len);
+  # their queries attend the whole window and their samples are discarded.
+  last = state.cache.max_len - 1
+  start = jnp.where(state.active, jnp.minimum(state.lengths, attend_len - 1), last)
   logits, cache = model.extend(state.next_tokens[:, None], start, state.cache, attend_len)
   tokens, logprobs = sample(
     logits[:, 0], state.keys, start, state.temperature, state.top_p, state.top_k, mode
   )
-  new_state = state.replace(cache=cache, lengths=state.lengths + 1, next_tokens=tokens)
+  lengths = state.lengths + state.active.astype(jnp.int32)
+  new_state = state.replace(cache=cache, lengths=lengths, next_tokens=tokens)
   n = tokens.shape[0]
   data = jnp.stack(
     [
@@ -170,6 +189,51 @@ def _generate(
     data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
   )
   return new_state, result
+
+
+def _extend_slot(graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams,
+                 state: DecodeState, slot, tokens, start, true_length, key, temperature, top_p,
+                 top_k):  # fmt: skip
+  """Admits a request into `slot` whose cache already holds its first `start` tokens: prefills
+  only the suffix tokens [1, bucket] (true_length of them) at offset start, samples the first new
+  token from the last suffix position, and activates the slot. Positions >= start of the row
+  are overwritten (start + bucket <= max_seq_len and <= attend_len, both guaranteed by the
+  caller). Returns (state, next_token, logprob, version)."""
+  model: Transformer = nnx.merge(graphdef, params.state)
+
+  def row(buf):
+    return jax.lax.dynamic_slice_in_dim(buf, slot, 1, axis=0)
+
+  def put(buf, new):
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))
+
+  cache = KVCache(k=tuple(map(row, state.cache.k)), v=tuple(map(row, state.cache.v)))
+  hidden, cache = model.extend(tokens, start[None], cache, attend_len, return_hidden=True)
+  h_last = jax.lax.dynamic_slice_in_dim(hidden, true_length - 1, 1, axis=1)
+  last = model.logits(h_last)[0, 0]
+  pos = start + true_length - 1
+  tok, lp = sample(
+    last[None], key[None], pos[None], temperature[None], top_p[None], top_k[None], mode
+  )  # fmt: skip
+  new_cache = KVCache(
+    k=tuple(put(b, n) for b, n in zip(state.cache.k, cache.k, strict=True)),
+    v=tuple(put(b, n) for b, n in zip(state.cache.v, cache.v, strict=True)),
+  )
+  state = DecodeState(
+    cache=new_cache,
+    lengths=state.lengths.at[slot].set(pos + 1),
+    next_tokens=state.next_tokens.at[slot].set(tok[0]),
+    keys=state.keys.at[slot].set(key),
+    temperature=state.temperature.at[slot].set(temperature),
+    top_p=state.top_p.at[slot].set(top_p),
+    top_k=state.top_k.at[slot].set(top_k),
+    active=state.active.at[slot].set(True),
+  )
+  return state, tok[0], lp[0], params.version
+
+
+def _release(state: DecodeState, slot) -> DecodeState:
+  return state.replace(active=state.active.at[slot].set(False))
 
 
 def result_logprobs(result: engine_api.ResultTokens) -> np.ndarray:
@@ -189,6 +253,8 @@ _PREFILL_MANY = jax.jit(_prefill_many, static_argnums=(0, 1))
 _INSERT = jax.jit(_insert, donate_argnums=1)
 _INSERT_MANY = jax.jit(_insert_many, donate_argnums=1)
 _GENERATE = jax.jit(_generate, static_argnums=(0, 1, 2), donate_argnums=4)
+_EXTEND_SLOT = jax.jit(_extend_slot, static_argnums=(0, 1, 2), donate_argnums=4)
+_RELEASE = jax.jit(_release, donate_argnums=0)
 
 
 class Engine(engine_api.Engine):
@@ -224,10 +290,12 @@ class Engine(engine_api.Engine):
     *,
     chunks: Sequence[int] = (1, 2, 4, 8),
     modes: Sequence[SamplingMode] = ("greedy", "sample"),
+    extend: bool = True,
   ) -> float:
     """Compiles prefill (every bucket x admission chunk x mode), insert and every decode window
     now, so that no request pays a compile later; returns the seconds taken. "truncate"
-    (top-p/top-k) compiles on first use unless listed in `modes`."""
+    (top-p/top-k) compiles on first use unless listed in `modes`. extend: also every suffix
+    prefill shape (suffix bucket x window x mode) that prefix reuse uses."""
     t0 = time.perf_counter()
     params, state = self.load_params(), self.init_decode_state()
     for bucket in self.cfg.buckets:
@@ -243,6 +311,15 @@ class Engine(engine_api.Engine):
       state = self.insert(
         self.prefill(params=params, padded_tokens=padded, true_length=n), state, 0
       )
+    if extend:
+      for sb in self.cfg.extend_buckets:
+        for window in self.cfg.buckets:
+          if window < sb:
+            continue
+          for mode in modes:
+            sp = SamplingParams(temperature=0.0 if mode == "greedy" else 1.0)
+            state, *_ = self.extend_slot(params, state, 0, [1], window - sb, sampling=sp,
+                                         bucket=sb, window=window)  # fmt: skip
     for window in self.cfg.buckets:
       for mode in modes:
         state, result = self.generate(params, state, max_length=window, mode=mode)
@@ -352,6 +429,61 @@ class Engine(engine_api.Engine):
     window = self.cfg.max_seq_len if max_length is None else self.bucket_for(max_length)
     return _GENERATE(self._graphdef, window, mode, params, decode_state)
 
+  def extend_plan(self, cached: int, prompt_len: int) -> tuple[int, int, int]:
+    """How to admit a prompt of prompt_len tokens whose first `cached` tokens have valid keys and
+    values in a slot: (start, suffix bucket, window). start <= cached and start < prompt_len (at
+    least one token is fed, for the first token's logits); start + bucket <= window <= max_seq_len
+    (start moves back, recomputing cached positions, where the padded suffix would overflow)."""
+    start = min(cached, prompt_len - 1)
+    buckets = self.cfg.extend_buckets
+    sb = buckets[bisect.bisect_left(buckets, prompt_len - start)]
+    start = min(start, self.cfg.max_seq_len - sb)
+    return start, sb, self.bucket_for(start + sb)
+
+  def extend_slot(
+    self,
+    params: VersionedParams,
+    decode_state: DecodeState,
+    slot: int,
+    suffix: Sequence[int],
+    start: int,
+    *,
+    sampling: SamplingParams,
+    seed: int = 0,
+    bucket: int | None = None,
+    window: int | None = None,
+  ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
+    """Prefills `suffix` into `slot` at offset `start` on top of the keys/values already there
+    (positions < start) and activates the slot, like insert(prefill(prefix + suffix)) but paying
+    only for the suffix. Returns (state, first token, its logprob, version) as device scalars."""
+    n = len(suffix)
+    if bucket is None:
+      _, bucket, window = self.extend_plan(start, start + n)
+    if n < 1 or n > bucket or start + bucket > window or window > self.cfg.max_seq_len:
+      raise ValueError(f"bad suffix prefill: start={start} n={n} bucket={bucket} window={window}")
+    padded = np.zeros((1, bucket), np.int32)
+    padded[0, :n] = suffix
+    return _EXTEND_SLOT(
+      self._graphdef,
+      window,
+      mode_for([sampling]),
+      params,
+      decode_state,
+      jnp.asarray(slot, jnp.int32),
+      jnp.asarray(padded),
+      jnp.asarray(start, jnp.int32),
+      jnp.asarray(n, jnp.int32),
+      jax.random.PRNGKey(seed),
+      jnp.asarray(sampling.temperature, jnp.float32),
+      jnp.asarray(sampling.top_p, jnp.float32),
+      jnp.asarray(sampling.top_k, jnp.int32),
+    )
+
+  def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Marks a slot inactive: decode steps stop advancing it and never write inside its cached
+    prefix (the driver parks finished requests' slots this way for prefix reuse)."""
+    return _RELEASE(decode_state, jnp.asarray(slot, jnp.int32))
+
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     s = self.cfg.max_slots
     return DecodeState(
@@ -362,6 +494,7 @@ class Engine(engine_api.Engine):
       temperature=jnp.zeros((s,), jnp.float32),
       top_p=jnp.ones((s,), jnp.float32),
       top_k=jnp.zeros((s,), jnp.int32),
+      active=jnp.zeros((s,), bool),
     )
 
   def get_prefix_destination_sharding(self) -> Any:
