@@ -64,7 +64,7 @@ QUICKSTART_WORLD = SynthWikiConfig(
   seed=0, questions_per_hop=(1000, 1000, 600, 300), num_comparisons=300
 )
 QUICKSTART_ENGINE = EngineConfig(
-  max_slots=32, max_seq_len=2048, prefill_buckets=(256, 512, 1024, 2048)
+  max_slots=32, max_seq_len=2048, prefill_buckets=(256, 512, 1024, 2048), suffix_buckets=(256,)
 )
 
 
@@ -156,7 +156,7 @@ def quickstart(
   group_size: int = 4,
   max_staleness: int = 4,
   max_concurrent: int = 12,
-  learning_rate: float = 5e-4,
+  learning_rate: float = 1e-4,
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
   eval_concurrency: int = 32,
