@@ -45,28 +45,11 @@ from asearcher_jax.rl.rollout import RolloutConfig
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.testing.agent_workload import write_byte_tokenizer
 from tests.tools.conftest import shipped_index_dir  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 BYTE_VOCAB = 260  # 256 bytes + 3 specials, rounded up
-
-
-def write_byte_tokenizer(d: Path) -> Path:
-  """A Qwen-style byte-level BPE with no merges: every byte is one token."""
-  bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-  cs, n = bs[:], 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + n)
-      n += 1
-  byte_to_char = dict(zip(bs, cs))
-  d.mkdir(parents=True, exist_ok=True)
-  (d / "vocab.json").write_text(json.dumps({chr(byte_to_char[b]): b for b in range(256)}))
-  (d / "merges.txt").write_text("#version: 0.2\n")
-  specials = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}
-  (d / "added_tokens.json").write_text(json.dumps(specials))
-  return d
 
 
 @pytest.fixture(scope="module")
