@@ -67,7 +67,8 @@ def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tmp_path):
     assert (run_dir / "report" / png).read_bytes()[:4] == b"\x89PNG"
   assert "Avg@4" in (run_dir / "report" / "report.md").read_text()
   # RL trained on accepted groups: B per step, recorded by the metrics and the replay log.
-  rows = [json.loads(x) for x in (run_dir / "rl" / "metrics" / "metrics.jsonl").read_text().split()]
+  metrics_log = (run_dir / "rl" / "metrics" / "metrics.jsonl").read_text()
+  rows = [json.loads(x) for x in metrics_log.splitlines()]
   assert rows and all(r["ppo/tokens"] > 0 for r in rows)
   assert rows[-1]["rollout/groups_accepted"] >= 2 * summary["rl_steps"]
   committed = [i for line in (run_dir / "rl" / "replay" / CONSUMED_LOG).read_text().splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +175,8 @@ def test_retrieval_quality_on_hotpotqa_100(shipped_index) -> None:
 
 
 class HashingEncoder:
-  """A deterministic bag-of-words encoder: enough to test the dense path end to end."""
+  """A deterministic bag-of-words encoder: enough to test the dense path end to end. (crc32, not
+  `hash()`: Python salts str hashes per process, so collisions would change from run to run.)"""
 
   def __init__(self, dim: int = 512) -> None:
     self.dim = dim
@@ -183,7 +185,7 @@ class HashingEncoder:
     out = np.zeros((len(texts), self.dim), np.float32)
     for row, text in enumerate(texts):
       for word in text.lower().split():
-        out[row, hash(word.strip('".,()')) % self.dim] += 1.0
+        out[row, zlib.crc32(word.strip('".,()').encode()) % self.dim] += 1.0
     return out
 
 
