@@ -157,6 +157,7 @@ def quickstart(
   max_staleness: int = 4,
   max_concurrent: int = 12,
   learning_rate: float = 1e-4,
+  ppo_minibatches: int = 1,
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
   eval_concurrency: int = 32,
@@ -177,6 +178,7 @@ def quickstart(
     rl_max_steps: upper bound on RL steps.
     batch_groups / group_size / max_staleness / max_concurrent: B, n, eta, groups in flight.
     learning_rate: AdamW learning rate of the RL learner.
+    ppo_minibatches: optimizer steps per RL training step (the batch split into minibatches).
     agent / engine: the agent's budgets and the in-process engine's slots and context.
     eval_concurrency: questions evaluated at once.
     batch_timeout_s: fail the RL stage if no batch of accepted groups arrives within this long.
@@ -202,7 +204,10 @@ def quickstart(
         items=rl_commands.load_qa(files.train), train_steps=rl_max_steps,
         batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent,
         engine=engine, driver=DriverConfig(request_timeout_s=600.0), agent=agent,
-        ppo=PPOConfig(row_len=engine.max_seq_len, temperature=max(temperature, 1e-6)),
+        ppo=PPOConfig(
+          row_len=engine.max_seq_len, temperature=max(temperature, 1e-6),
+          ppo_n_minibatches=ppo_minibatches,
+        ),
         optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
         rollout=RolloutConfig(group_size=group_size, episode_timeout_s=600.0, seed=seed),
         reward="answer", temperature=temperature, search=True, batch_timeout_s=batch_timeout_s,
