@@ -158,6 +158,7 @@ def quickstart(
   max_concurrent: int = 12,
   learning_rate: float = 1e-4,
   ppo_minibatches: int = 1,
+  curriculum: bool = False,
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
   eval_concurrency: int = 32,
@@ -179,6 +180,8 @@ def quickstart(
     batch_groups / group_size / max_staleness / max_concurrent: B, n, eta, groups in flight.
     learning_rate: AdamW learning rate of the RL learner.
     ppo_minibatches: optimizer steps per RL training step (the batch split into minibatches).
+    curriculum: draw RL questions through the learnability curriculum (`rl.cursors`): kinds of
+      questions whose recent groups were all-equal are sampled less.
     agent / engine: the agent's budgets and the in-process engine's slots and context.
     eval_concurrency: questions evaluated at once.
     batch_timeout_s: fail the RL stage if no batch of accepted groups arrives within this long.
@@ -209,7 +212,9 @@ def quickstart(
           ppo_n_minibatches=ppo_minibatches,
         ),
         optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
-        rollout=RolloutConfig(group_size=group_size, episode_timeout_s=600.0, seed=seed),
+        rollout=RolloutConfig(
+          group_size=group_size, episode_timeout_s=600.0, seed=seed, curriculum=curriculum
+        ),
         reward="answer", temperature=temperature, search=True, batch_timeout_s=batch_timeout_s,
       )  # fmt: skip
       # Compile every prefill/decode shape now, so evaluation times are not compile times.

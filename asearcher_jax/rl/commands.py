@@ -79,11 +79,20 @@ def load_qa(path: str | Path | None = None, *, limit: int | None = None) -> list
         question=str(r["question"]),
         answers=tuple(str(a) for a in answers),
         aug_answers=tuple(str(a) for a in r.get("aug_answers", ())),
+        bucket=_bucket(r),
       )
     )
   if not items:
     raise ValueError(f"no questions in {path}")
   return items
+
+
+def _bucket(record: dict) -> str:
+  """The curriculum bucket of a QA record: its `bucket` field, else what the common formats say
+  about the kind of question (SynthWiki: kind and hops; HotpotQA: type and level)."""
+  if record.get("bucket"):
+    return str(record["bucket"])
+  return "-".join(str(record[k]) for k in ("kind", "hops", "type", "level") if k in record)
 
 
 def smoke_scorer(trajs: Sequence[Trajectory]) -> list[float | None]:

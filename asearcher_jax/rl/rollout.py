@@ -33,6 +33,7 @@ from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.evaluation import metrics as eval_metrics
 from asearcher_jax.rl import reward as reward_lib
+from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
 from asearcher_jax.rl.inflight import EpisodeJournal, JournalClient, JournalToolBox
 from asearcher_jax.rl.replay import Group, ReplayQueue
 from asearcher_jax.rl.staleness import StalenessManager
@@ -59,6 +60,10 @@ class RolloutConfig:
   shuffle: visit items in a fresh seeded permutation each epoch (else file order).
   seed: permutation seed.
   occupancy_sample_s: how often `engine_stats` is sampled for mean slot occupancy (0 = never).
+  curriculum: draw items through `CurriculumCursor` (buckets from `QAItem.bucket`, thinned out
+    where recent groups were zero-variance) instead of a uniform shuffled walk.
+  curriculum_floor: a bucket's weight never drops below this fraction of its size.
+  curriculum_decay: per-observation decay of a bucket's mixed-group counts (0.95: ~20 groups).
   """
 
   group_size: int = 4
@@ -70,6 +75,9 @@ class RolloutConfig:
   shuffle: bool = True
   seed: int = 0
   occupancy_sample_s: float = 0.05
+  curriculum: bool = False
+  curriculum_floor: float = 0.05
+  curriculum_decay: float = 0.95
 
   def __post_init__(self):
     if self.group_size < 1:
@@ -91,49 +99,7 @@ class QAItem:
   answers: tuple[str, ...]
   aug_answers: tuple[str, ...] = ()
   valid_inst: bool = False
-
-
-class DataCursor:
-  """Position in an endless, epoch-wise (optionally shuffled) walk over `num_items` items.
-
-  The state is JSON-able (epoch, offset, seed) and goes into the trainer's checkpoint. Items are
-  named by `key(epoch, index)`, which makes group ids unique across epochs and restarts.
-  """
-
-  def __init__(self, num_items: int, *, shuffle: bool, seed: int) -> None:
-    if num_items < 1:
-      raise ValueError("the dataset is empty")
-    self.num_items, self.shuffle, self.seed = num_items, shuffle, seed
-    self.epoch, self.offset = 0, 0
-    self._order = self._permutation(0)
-
-  def _permutation(self, epoch: int) -> np.ndarray:
-    if not self.shuffle:
-      return np.arange(self.num_items)
-    return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
-
-  @staticmethod
-  def key(epoch: int, index: int) -> str:
-    return f"e{epoch}/i{index}"
-
-  def next(self) -> tuple[str, int]:
-    """(item key, item index) and advance."""
-    index = int(self._order[self.offset])
-    key = self.key(self.epoch, index)
-    self.offset += 1
-    if self.offset == self.num_items:
-      self.epoch, self.offset = self.epoch + 1, 0
-      self._order = self._permutation(self.epoch)
-    return key, index
-
-  def state_dict(self) -> dict[str, Any]:
-    return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "n": self.num_items}
-
-  def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    if int(state["n"]) != self.num_items or int(state["seed"]) != self.seed:
-      raise ValueError(f"cursor state {dict(state)} does not match this dataset/seed")
-    self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-    self._order = self._permutation(self.epoch)
+  bucket: str = ""  # kind of question (SynthWiki: "chain-2"), for the curriculum
 
 
 def answer_scorer(config: reward_lib.RewardConfig | None = None) -> Scorer:
@@ -184,7 +150,14 @@ class RolloutController:
     self.replay = replay
     self.scorer = scorer or answer_scorer()
     self.engine_stats = engine_stats
-    self.cursor = DataCursor(len(self.items), shuffle=config.shuffle, seed=config.seed)
+    self.cursor: DataCursor | CurriculumCursor
+    if config.curriculum:
+      self.cursor = CurriculumCursor(
+        [it.bucket for it in self.items], seed=config.seed, floor=config.curriculum_floor,
+        decay=config.curriculum_decay,
+      )  # fmt: skip
+    else:
+      self.cursor = DataCursor(len(self.items), shuffle=config.shuffle, seed=config.seed)
     self._skip: set[str] = set()  # item keys whose groups already sit in the replay queue
     self._journals: dict[str, _GroupJournal] = {}  # running groups by item key (checkpointed)
     self._resume: list[_GroupJournal] = []  # groups saved in flight, run first after a restart
@@ -291,6 +264,8 @@ class RolloutController:
           out[f"rollout/{k}"] = float(np.mean(vs))
       if reset:
         self._stats.samples.clear()
+      if isinstance(self.cursor, CurriculumCursor):
+        out.update(self.cursor.metrics())
     out["rollout/running_groups"] = float(self.staleness.stats()["running"])
     return out
 
@@ -396,7 +371,9 @@ class RolloutController:
       trajs = await asyncio.gather(
         *(self._run_episode(item, journal, i) for i in range(len(journal.episodes)))
       )
-      finished = await self._finish_group(key, item, trajs, journal.version, journal.created_at)
+      finished = await self._finish_group(
+        key, item, trajs, journal.version, journal.created_at, index=journal.index
+      )
     except asyncio.CancelledError:
       self._count(groups_cancelled=1)
       raise
@@ -410,7 +387,14 @@ class RolloutController:
         self.staleness.on_reject()
 
   async def _finish_group(
-    self, key: str, item: QAItem, trajs: Sequence[Trajectory | None], version: int, created: float
+    self,
+    key: str,
+    item: QAItem,
+    trajs: Sequence[Trajectory | None],
+    version: int,
+    created: float,
+    *,
+    index: int,
   ) -> bool:
     """Scores and pushes; returns True once the staleness manager has been told the outcome."""
     ran = [t for t in trajs if t is not None]
@@ -424,6 +408,9 @@ class RolloutController:
       if t is not None:
         self._record_trajectory(t, s)
     advantages = reward_lib.group_advantages(scores)
+    if len(usable) >= 2 and isinstance(self.cursor, CurriculumCursor):
+      with self._lock:
+        self.cursor.observe(index, mixed=advantages is not None)
     lengths = [sum(s.num_tokens for s in t.training_sequences()) for t in ran]
     if advantages is None:
       why = "groups_zero_variance" if len(usable) >= 2 else "groups_too_few_scored"
