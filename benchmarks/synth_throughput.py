@@ -31,8 +31,8 @@ from asearcher_jax.data.synthesis import RoleConfig, Seed, SynthConfig, run_synt
 from asearcher_jax.data.synthesis.commands import local_endpoint, seeds_from_pages  # noqa: E402
 from asearcher_jax.model import presets  # noqa: E402
 from asearcher_jax.serving.engine import EngineConfig  # noqa: E402
-from tests.data.synthesis import toyworld as W  # noqa: E402
-from tests.data.synthesis.scripted import ScriptedServer  # noqa: E402
+from asearcher_jax.testing import synth_toyworld as W  # noqa: E402
+from asearcher_jax.testing.synth_scripted import ScriptedServer  # noqa: E402
 
 LATENCY_S = 0.05
 CONFIG = SynthConfig(num_solver_samples=4, max_turns=4)

@@ -6,8 +6,8 @@ import pytest
 
 from asearcher_jax.data.synthesis import RoleConfig, SynthConfig, run_synthesis
 from asearcher_jax.data.synthesis.commands import seeds_from_pages
-from tests.data.synthesis import toyworld as W
-from tests.data.synthesis.scripted import ScriptedServer
+from asearcher_jax.testing import synth_toyworld as W
+from asearcher_jax.testing.synth_scripted import ScriptedServer
 
 T = 30  # seconds: bound on every await in these tests
 

@@ -8,7 +8,7 @@ from asearcher_jax.data.qa import load_qa_file
 from asearcher_jax.data.synthesis import OracleQuery, Seed, SynthConfig, check
 from asearcher_jax.data.synthesis.oracle import Fuzz
 from asearcher_jax.rl.commands import load_qa
-from tests.data.synthesis import toyworld as W
+from asearcher_jax.testing import synth_toyworld as W
 from tests.data.synthesis.conftest import FAST, run_toy
 
 

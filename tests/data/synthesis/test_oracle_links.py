@@ -15,8 +15,8 @@ from asearcher_jax.data.synthesis import (
   vague_matches,
 )
 from asearcher_jax.data.synthesis.commands import load_store, seeds_from_pages
+from asearcher_jax.testing import synth_toyworld as W
 from asearcher_jax.tools.retrieval.corpus import PageStore
-from tests.data.synthesis import toyworld as W
 
 
 def q(question, answer, *statements, fuzzes=()):

@@ -19,7 +19,7 @@ from asearcher_jax.data.synthesis.synthwiki_oracle import synthwiki_oracle, synt
 from asearcher_jax.data.synthwiki import TINY, build_world
 from asearcher_jax.model import presets
 from asearcher_jax.serving.engine import EngineConfig
-from tests.data.synthesis import toyworld as W
+from asearcher_jax.testing import synth_toyworld as W
 from tests.data.synthesis.conftest import run_toy
 
 ENGINE = EngineConfig(max_slots=8, max_seq_len=1024, prefill_buckets=(512,))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from asearcher_jax.data.synthesis.oracle import OracleQuery
-from tests.data.synthesis import toyworld as W
+from asearcher_jax.testing import synth_toyworld as W
 
 
 def _field(prompt: str, label: str) -> str:
