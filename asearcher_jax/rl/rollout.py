@@ -61,7 +61,8 @@ class RolloutConfig:
   seed: permutation seed.
   occupancy_sample_s: how often `engine_stats` is sampled for mean slot occupancy (0 = never).
   curriculum: draw items through `CurriculumCursor` (buckets from `QAItem.bucket`, thinned out
-    where recent groups were zero-variance) instead of a uniform shuffled walk.
+    where recent groups were zero-variance; always shuffled within a bucket, `shuffle` is
+    ignored) instead of the plain walk.
   curriculum_floor: a bucket's weight never drops below this fraction of its size.
   curriculum_decay: per-observation decay of a bucket's mixed-group counts (0.95: ~20 groups).
   """

@@ -219,7 +219,8 @@ def _put_row(state: DecodeState, row_cache: KVCache, slot, length, token, key, t
   """The write half of a suffix prefill: the row goes back into the donated decode state in
   place, and the slot is activated. Kept apart from `_extend_row` because XLA:CPU copies the
   whole cache (every slot, ~200 MB in the quickstart) when one jitted call both reads a row of a
-  donated buffer and writes it back: 88 ms per admission against ~1 ms split in two."""
+  donated buffer and writes it back: 88 ms per admission, against 13-18 ms for both halves
+  split like this (20- to 120-token suffixes on the quickstart model)."""
 
   def put(buf, new):
     return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))

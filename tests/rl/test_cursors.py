@@ -83,22 +83,26 @@ def test_bad_arguments_are_refused():
     CurriculumCursor(BUCKETS, seed=0, decay=1.5)
 
 
-def test_controller_reports_group_outcomes_to_the_curriculum(tok, monkeypatch):
-  # Items q0..q5 in two buckets; every group of two alternating episodes is mixed.
+def test_controller_reports_group_outcomes_to_the_curriculum(tok):
+  # Items q0..q5 in two buckets; every group of two alternating episodes is mixed. decay = 1
+  # keeps the counts exact.
   items = [
     QAItem(qid=f"q{i}", question=f"Capital number {i}?", answers=("Paris",), bucket=f"b{i % 2}")
     for i in range(6)
   ]
-  monkeypatch.setattr("tests.rl.test_rollout.ITEMS", items)
-  ctl, staleness, replay = controller(tok, alternating, eta=0, b=2, concurrent=8, curriculum=True)
+  ctl, staleness, replay = controller(
+    tok, alternating, eta=0, b=2, concurrent=8, items=items, curriculum=True, curriculum_decay=1.0
+  )
   assert isinstance(ctl.cursor, CurriculumCursor)
   ctl.start()
   try:
     wait_for(lambda: len(replay) == 2 and staleness.stats()["running"] == 0)
   finally:
     ctl.stop()
-  seen = sum(ctl.cursor._seen.values())
-  assert seen == 2 and sum(ctl.cursor._mixed.values()) == 2
+  assert sum(ctl.cursor._seen.values()) == 2 and sum(ctl.cursor._mixed.values()) == 2
+  trained = {g.metadata["item"] for g in replay.take(2, timeout=1)}
+  assert len(trained) == 2  # the two groups the curriculum drew, both observed as mixed
   m = ctl.metrics()
   assert {"curriculum/b0/weight", "curriculum/b1/mixed_rate"} <= set(m)
+  assert m["curriculum/b0/weight"] + m["curriculum/b1/weight"] == pytest.approx(1.0)
   assert json.loads(json.dumps(ctl.state_dict()))["cursor"]["kind"] == "curriculum"

@@ -54,7 +54,7 @@ def alternating(k: int) -> list[str]:
   return ["<answer>Paris</answer>" if k % 2 == 0 else "<answer>Rome</answer>"]
 
 
-def controller(tok, scripts, *, eta=0, b=2, n=2, concurrent=None, capacity=64, **cfg):
+def controller(tok, scripts, *, eta=0, b=2, n=2, concurrent=None, capacity=64, items=ITEMS, **cfg):
   staleness = StalenessManager(
     StalenessConfig(batch_groups=b, max_staleness=eta, max_concurrent=concurrent)
   )
@@ -63,7 +63,7 @@ def controller(tok, scripts, *, eta=0, b=2, n=2, concurrent=None, capacity=64, *
   toolbox = cfg.pop("toolbox", None)
   ctl = RolloutController(
     config=RolloutConfig(group_size=n, shuffle=False, admit_poll_s=0.05, **cfg),
-    items=ITEMS,
+    items=items,
     agent_factory=factory(tok, scripts, delay_s=delay, toolbox=toolbox),
     staleness=staleness,
     replay=replay,
