@@ -19,6 +19,7 @@ from asearcher_jax.model.transformer import token_logprobs
 from asearcher_jax.serving.types import SamplingParams
 
 _NEG_INF = -1e30
+_BLOCK = 128  # vocabulary block for the two-level reductions and draws
 
 
 def _largest_threshold(
@@ -92,27 +93,49 @@ def argmax(x: jax.Array, block: int = 128) -> jax.Array:
   return argmax_with_max(x, block)[0]
 
 
-def _inverse_cdf(keys: jax.Array, weights: jax.Array, block: int = 256) -> jax.Array:
-  """Exact categorical sampling from unnormalised non-negative weights [S, V]: one uniform per row
-  against the CDF, in two levels (blocks of the vocabulary, then tokens in the chosen block).
-  Avoids Gumbel-max, which draws one random number per vocabulary entry, and a 150k-long cumsum,
-  each ~10x slower on CPU."""
-  rows, vocab = weights.shape
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  """[S, V] -> [S, ceil(V / block), block], padding the last block with -inf (exp -> 0). Free
+  when block divides V (Qwen's 151,936 = 128 * 1,187), a copy otherwise."""
+  rows, vocab = x.shape
   nb = -(-vocab // block)
-  w = jnp.pad(weights, ((0, 0), (0, nb * block - vocab))).reshape(rows, nb, block)
-  mass = w.sum(-1)  # [rows, nb]
-  cdf = jnp.cumsum(mass, axis=-1)
+  if nb * block != vocab:
+    x = jnp.pad(x, ((0, 0), (0, nb * block - vocab)), constant_values=-jnp.inf)
+  return x.reshape(rows, nb, block)
+
+
+def _block_mass(xb: jax.Array, top: jax.Array, temp: jax.Array) -> jax.Array:
+  """sum exp((x - top) / temp) per block, [S, nb, block] -> [S, nb]. Summing blocks first and the
+  block masses second is ~2x faster on XLA:CPU than one exp-sum over the 150k minor axis, provided
+  the second level is a cumsum (`_draw` needs one anyway): a plain sum there lets XLA fuse the
+  two levels back into the slow single reduction (measured: 1.5 vs 2.9 ms at [32, 151936])."""
+  return jnp.sum(jnp.exp((xb - top[:, None, None]) / temp[:, None, None]), axis=-1)
+
+
+def _draw(
+  keys: jax.Array,
+  xb: jax.Array,
+  mass: jax.Array,
+  cdf: jax.Array,
+  top: jax.Array,
+  temp: jax.Array,
+) -> jax.Array:
+  """Exact categorical sampling from softmax(x / temp), x in blocks [S, nb, block] with their
+  masses [S, nb] (`_block_mass`) and its cumsum `cdf`: one uniform per row against the CDF, in two levels (blocks of
+  the vocabulary, then tokens in the chosen block, whose weights are recomputed from 128 logits).
+  Avoids Gumbel-max, which draws one random number per vocabulary entry, a 150k-long cumsum, and
+  materialising the [S, V] weights, each several times slower on CPU. Returns [S] int32."""
+  rows, nb, block = xb.shape
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
   target = u * cdf[:, -1]
   b = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), nb - 1)
   before = (
     jnp.take_along_axis(cdf, b[:, None], 1)[:, 0] - jnp.take_along_axis(mass, b[:, None], 1)[:, 0]
   )
-  inner = jnp.take_along_axis(w, b[:, None, None], 1)[:, 0]  # [rows, block]
+  inner = jnp.take_along_axis(xb, b[:, None, None], 1)[:, 0]  # [rows, block]
+  inner = jnp.exp((inner - top[:, None]) / temp[:, None])
   j = jnp.sum(jnp.cumsum(inner, axis=-1) < (target - before)[:, None], axis=-1)
   last_valid = jnp.max(jnp.where(inner > 0, jnp.arange(block)[None], 0), axis=-1)
-  j = jnp.minimum(j, last_valid)
-  return jnp.minimum(b * block + j, vocab - 1).astype(jnp.int32)
+  return (b * block + jnp.minimum(j, last_valid)).astype(jnp.int32)
 
 
 SamplingMode = Literal["greedy", "sample", "truncate"]
@@ -120,7 +143,7 @@ SamplingMode = Literal["greedy", "sample", "truncate"]
 
 def mode_for(settings: Iterable[SamplingParams]) -> SamplingMode:
   """The cheapest compiled path that serves every slot: all greedy; plain temperature sampling;
-  or top-p/top-k truncation (a sort over the vocabulary) when any slot asks for it."""
+  or top-p/top-k truncation (bisection for the thresholds) when any slot asks for it."""
   settings = list(settings)
   if all(s.greedy for s in settings):
     return "greedy"
@@ -144,25 +167,27 @@ def sample(
   others are faster when `mode_for` allows them. Returns (tokens [S] int32, logprobs [S]).
   """
   greedy = temperature <= 0.0
-  temp = jnp.where(greedy, 1.0, temperature)[:, None]
+  temp = jnp.where(greedy, 1.0, temperature)
   logits = logits.astype(jnp.float32)
   best, top = argmax_with_max(logits)
+  xb = _blocks(logits, _BLOCK)
+  # mass holds the exp-sum terms of token_logprobs (the chosen logit minus the row maximum, over
+  # temp, minus log sum exp((logits - max) / temp)) and, in "sample" mode, the draw's block weights
+  # too: one exp pass over [S, V] serves both.
+  mass = _block_mass(xb, top, temp)
+  cdf = jnp.cumsum(mass, axis=-1)
+  log_total = jnp.log(cdf[:, -1])
   if mode == "greedy":
-    # The chosen logit is the row maximum, so token_logprobs(logits, best, temp)
-    # = (top - top) / temp - log sum exp((logits - top) / temp): the same arithmetic in one pass
-    # over [S, V] (the exp-sum) instead of three (max, exp-sum, gather).
-    return best, -jnp.log(jnp.sum(jnp.exp((logits - top[:, None]) / temp), axis=-1))
+    return best, -log_total  # the chosen logit is the row maximum
   step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
   if mode == "sample":
-    # exp((logits - max) / temp) is both the draw's weights and token_logprobs' exp-sum terms:
-    # computed once, it serves both (one exp pass over [S, V] instead of two, and no second max).
-    m = top[:, None]
-    weights = jnp.exp((logits - m) / temp)
-    drawn = _inverse_cdf(step_keys, weights)
-    tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
-    return tokens, ((picked - m) / temp)[:, 0] - jnp.log(jnp.sum(weights, axis=-1))
-  scaled = _truncate(logits / temp, top_p, top_k)
-  drawn = _inverse_cdf(step_keys, jax.nn.softmax(scaled, axis=-1))
+    tokens = jnp.where(greedy, best, _draw(step_keys, xb, mass, cdf, top, temp))
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, (picked - top) / temp - log_total
+  scaled = _truncate(logits / temp[:, None], top_p, top_k)
+  sb = _blocks(scaled, _BLOCK)
+  one = jnp.ones_like(temp)
+  smass = _block_mass(sb, top / temp, one)
+  drawn = _draw(step_keys, sb, smass, jnp.cumsum(smass, axis=-1), top / temp, one)
   tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
-  return tokens, token_logprobs(logits, tokens, temp)
+  return tokens, token_logprobs(logits, tokens, temp[:, None])
