@@ -525,7 +525,9 @@ class RolloutController:
     )
     self._count(
       trajectories=1,
-      tool_calls=s["num_search"] + s["num_access"],
+      # Not `tool_calls`: that key is the per-trajectory mean, and a window with no trajectories
+      # would report this cumulative count under it.
+      tool_calls_total=s["num_search"] + s["num_access"],
       generated_tokens=s["num_output_tokens"],
       interrupted_trajectories=int(_interrupted(t)),
     )

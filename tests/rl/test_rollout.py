@@ -126,6 +126,27 @@ def test_environment_failures_are_retried_never_scored(tok):
   assert m["rollout/env_failures"] == 1 and m["rollout/episode_retries"] == 1
 
 
+def test_tool_call_means_and_counters_stay_apart(tok):
+  # Every episode searches once, then answers: 1 tool call per trajectory, in every window.
+  def scripts(k: int) -> list[str]:
+    answer = "Paris" if k % 2 == 0 else "Rome"
+    return ["<search>capital</search>", f"<answer>{answer}</answer>"]
+
+  ctl, staleness, replay = controller(tok, scripts, eta=0, b=2)
+  ctl.start()
+  try:
+    wait_for(lambda: len(replay) == 2 and staleness.stats()["running"] == 0)
+  finally:
+    ctl.stop()
+  m = ctl.metrics()
+  assert m["rollout/tool_calls"] == 1.0 and m["rollout/tool_calls_total"] == 4
+  # A window without trajectories has no per-trajectory means; the cumulative counters remain
+  # under their own names (a shared key once plotted the running total as a per-trajectory mean).
+  after = ctl.metrics()
+  assert "rollout/tool_calls" not in after and "rollout/turns" not in after
+  assert after["rollout/tool_calls_total"] == 4 and after["rollout/trajectories"] == 4
+
+
 def test_dropped_environment_failure_leaves_too_few_to_train(tok):
   # With "drop", the failed episode is excluded: one scored trajectory is no group.
   def scripts(k: int) -> list[str]:
