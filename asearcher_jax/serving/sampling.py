@@ -124,7 +124,7 @@ def _draw(
   the vocabulary, then tokens in the chosen block, whose weights are recomputed from 128 logits).
   Avoids Gumbel-max, which draws one random number per vocabulary entry, a 150k-long cumsum, and
   materialising the [S, V] weights, each several times slower on CPU. Returns [S] int32."""
-  rows, nb, block = xb.shape
+  _, nb, block = xb.shape
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
   target = u * cdf[:, -1]
   b = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), nb - 1)
