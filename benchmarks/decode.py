@@ -9,6 +9,12 @@ at batch 1, 8 and 32 with fixed output lengths, plus a long-tail workload (outpu
 log-normal clipped to a 100x spread) where continuous batching refills slots as requests finish.
 Also the cost of a weight update (swap + re-prefill of every in-flight slot). Prints one JSON
 object as its last line.
+
+Logprobs, like for like: plain `generate` computes none, so the batch rows compare it with our
+driver asked for none (`SamplingParams(logprobs=False)`: `vs_transformers`), and `generate` with a
+logits processor that records each greedy token's log-softmax with our driver computing logprobs
+(`vs_transformers_logprobs`). Static batching runs without logprobs; the long-tail workload and
+the weight update run with them, as RL does.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
+GREEDY_NO_LOGPROBS = SamplingParams(temperature=0.0, logprobs=False)
 PROMPT_LEN = 32
 NEW_TOKENS = 64
 MAX_SEQ = 512
@@ -57,13 +64,15 @@ def warm(engine: Engine) -> None:
   engine.warmup()
 
 
-def run_driver(engine: Engine, prompts, lengths) -> tuple[float, int, Driver]:
+def run_driver(
+  engine: Engine, prompts, lengths, sampling: SamplingParams = GREEDY
+) -> tuple[float, int, Driver]:
   driver = Driver(engine)
 
   async def go():
     return await asyncio.gather(
       *[
-        driver.generate(p, GREEDY, int(n), stop_token_ids=())
+        driver.generate(p, sampling, int(n), stop_token_ids=())
         for p, n in zip(prompts, lengths, strict=True)
       ]
     )
@@ -74,8 +83,9 @@ def run_driver(engine: Engine, prompts, lengths) -> tuple[float, int, Driver]:
   return secs, sum(len(r.tokens) for r in results), driver
 
 
-def run_static(engine: Engine, prompts, lengths) -> tuple[float, int]:
-  """Static batching on the same engine: admit `slots` requests, decode until the longest ends."""
+def run_static(engine: Engine, prompts, lengths, mode: str = "greedy") -> tuple[float, int]:
+  """Static batching on the same engine: admit `slots` requests, decode until the longest ends.
+  mode: "greedy" computes logprobs, "argmax" does not."""
   params = engine.load_params()
   slots = engine.max_concurrent_decodes
   total = 0
@@ -92,16 +102,29 @@ def run_static(engine: Engine, prompts, lengths) -> tuple[float, int]:
     while any(d < w for d, w in zip(done, want, strict=True)):
       # The same fast paths the driver uses: greedy sampler, attention window of the longest row.
       longest = max(len(p) for p in batch) + max(done)
-      state, res = engine.generate(params, state, max_length=longest, mode="greedy")
+      state, res = engine.generate(params, state, max_length=longest, mode=mode)
       np.asarray(res.data)  # the host copy a server needs every step
       done = [d + 1 for d in done]
     total += sum(int(w) for w in want)
   return time.perf_counter() - t, total
 
 
-def run_transformers(hf_dir: str, prompts, n_new: int, batch: int) -> tuple[float, int]:
+def run_transformers(
+  hf_dir: str, prompts, n_new: int, batch: int, logprobs: bool = False
+) -> tuple[float, int]:
   import torch
   import transformers
+
+  class RecordLogprobs(transformers.LogitsProcessor):
+    """Each step's greedy-token logprob, log_softmax(scores).max() = max - logsumexp: what our
+    engine reports per token. Returns the scores untouched."""
+
+    def __init__(self):
+      self.steps = []
+
+    def __call__(self, input_ids, scores):
+      self.steps.append(scores.max(-1).values - torch.logsumexp(scores, -1))
+      return scores
 
   torch.set_num_threads(os.cpu_count() or 1)
   model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -109,14 +132,17 @@ def run_transformers(hf_dir: str, prompts, n_new: int, batch: int) -> tuple[floa
   t = None
   for i in range(0, len(prompts), batch):
     ids = torch.tensor(prompts[i : i + batch])
+    extra = {"logits_processor": [RecordLogprobs()]} if logprobs else {}
     if t is None:  # warm-up on the first batch
       with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.generate(
+          ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, **extra
+        )
       t = time.perf_counter()
     with torch.no_grad():
       out = model.generate(
         ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0,
-        attention_mask=torch.ones_like(ids),
+        attention_mask=torch.ones_like(ids), **extra,
       )  # fmt: skip
     total += (out.shape[1] - ids.shape[1]) * ids.shape[0]
   return time.perf_counter() - t, total
@@ -142,18 +168,27 @@ def main() -> None:
     warm(engine)
     # One untimed pass of each of our paths first, as transformers gets one (its first batch):
     # the first pass through a fresh driver runs slower (2,080 vs 2,280 tok/s at batch 32 here).
-    run_driver(engine, prompts, lengths)[2].close()
-    run_static(engine, prompts, lengths)
-    d_s, d_tok, driver = run_driver(engine, prompts, lengths)
+    for sampling in (GREEDY_NO_LOGPROBS, GREEDY):
+      run_driver(engine, prompts, lengths, sampling)[2].close()
+    run_static(engine, prompts, lengths, "argmax")
+    d_s, d_tok, driver = run_driver(engine, prompts, lengths, GREEDY_NO_LOGPROBS)
     driver.close()
-    s_s, s_tok = run_static(engine, prompts, lengths)
+    dl_s, dl_tok, driver = run_driver(engine, prompts, lengths, GREEDY)
+    driver.close()
+    s_s, s_tok = run_static(engine, prompts, lengths, "argmax")
     h_s, h_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch)
+    hl_s, hl_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch, logprobs=True)
     row = {
       "driver_tok_s": round(d_tok / d_s, 1),
       "static_tok_s": round(s_tok / s_s, 1),
       "transformers_tok_s": round(h_tok / h_s, 1),
+      "driver_logprobs_tok_s": round(dl_tok / dl_s, 1),
+      "transformers_logprobs_tok_s": round(hl_tok / hl_s, 1),
     }
     row["vs_transformers"] = round(row["driver_tok_s"] / row["transformers_tok_s"], 2)
+    row["vs_transformers_logprobs"] = round(
+      row["driver_logprobs_tok_s"] / row["transformers_logprobs_tok_s"], 2
+    )
     out[f"b{batch}"] = row
     print(f"batch {batch:>2}: {row}", flush=True)
 
@@ -197,6 +232,7 @@ def main() -> None:
   print(f"weight update with 16 in-flight slots: {[round(m, 1) for m in update_ms]} ms", flush=True)
   result = {
     "vs_transformers_b32": out["b32"]["vs_transformers"],
+    "vs_transformers_b32_logprobs": out["b32"]["vs_transformers_logprobs"],
     "vs_static_longtail": round(longtail["driver_tok_s"] / longtail["static_tok_s"], 2),
     "update_ms": round(float(np.median(update_ms)), 1),
     "batches": out,

@@ -138,15 +138,16 @@ def _draw(
   return (b * block + jnp.minimum(j, last_valid)).astype(jnp.int32)
 
 
-SamplingMode = Literal["greedy", "sample", "truncate"]
+SamplingMode = Literal["argmax", "greedy", "sample", "truncate"]
 
 
 def mode_for(settings: Iterable[SamplingParams]) -> SamplingMode:
-  """The cheapest compiled path that serves every slot: all greedy; plain temperature sampling;
-  or top-p/top-k truncation (bisection for the thresholds) when any slot asks for it."""
+  """The cheapest compiled path that serves every slot: all greedy without logprobs (argmax
+  only); all greedy; plain temperature sampling; or top-p/top-k truncation (bisection for the
+  thresholds) when any slot asks for it."""
   settings = list(settings)
   if all(s.greedy for s in settings):
-    return "greedy"
+    return "greedy" if any(s.logprobs for s in settings) else "argmax"
   if any(not s.greedy and (s.top_p < 1.0 or s.top_k > 0) for s in settings):
     return "truncate"
   return "sample"
@@ -164,12 +165,15 @@ def sample(
   """Samples one token per row. logits [S, V]; keys [S, 2] uint32; the rest [S].
 
   `mode` (static) picks the compiled path; "truncate" is correct for any mix of settings, the
-  others are faster when `mode_for` allows them. Returns (tokens [S] int32, logprobs [S]).
+  others are faster when `mode_for` allows them. Returns (tokens [S] int32, logprobs [S]; NaN in
+  "argmax" mode).
   """
   greedy = temperature <= 0.0
   temp = jnp.where(greedy, 1.0, temperature)
   logits = logits.astype(jnp.float32)
   best, top = argmax_with_max(logits)
+  if mode == "argmax":
+    return best, jnp.full(best.shape, jnp.nan, jnp.float32)  # no slot wants its logprob
   xb = _blocks(logits, _BLOCK)
   # mass holds the exp-sum terms of token_logprobs (the chosen logit minus the row maximum, over
   # temp, minus log sum exp((logits - max) / temp)) and, in "sample" mode, the draw's block weights

@@ -25,12 +25,16 @@ class SamplingParams:
     top_p: nucleus sampling mass in (0, 1]; 1 disables it.
     top_k: keep the k most likely tokens; 0 disables it.
     seed: per-request seed; None draws one from the engine's generator.
+    logprobs: compute each token's logprob (RL always needs them). False lets a step in which
+      every slot is greedy and none wants logprobs skip the exp-sum over the vocabulary (~1.3 ms
+      of a ~10 ms step at batch 32 and a 150k vocabulary on CPU); such tokens report NaN.
   """
 
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
   seed: int | None = None
+  logprobs: bool = True
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -53,7 +57,8 @@ class GenerationResult:
     tokens: generated ids, verbatim, including the stop token or the tokens of a matched stop
       string.
     logprobs: per generated token, its logprob under the sampling distribution (temperature-scaled
-      softmax, before top-p/top-k), computed by the same function the learner uses.
+      softmax, before top-p/top-k), computed by the same function the learner uses; NaN where the
+      request set `SamplingParams.logprobs=False` and the engine skipped it.
     versions: per generated token, the policy version of the weights that produced it, stamped by
       the engine (a weight update mid-request shows up as a change in this list).
     stop_reason: "stop" (stop token or stop string), "length" (max_new_tokens or context full) or

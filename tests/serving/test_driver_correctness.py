@@ -69,6 +69,28 @@ async def test_greedy_equals_full_forward_in_parallel_slots(make_driver):
   assert driver.stats()["slots_active"] == 0
 
 
+async def test_greedy_without_logprobs_same_tokens_nan_logprobs(make_driver):
+  model = tiny_model(seed=1)
+  driver = make_driver(model, slots=2)
+  quiet = SamplingParams(temperature=0.0, logprobs=False)
+  prompt = PROMPTS[1]
+  alone = await asyncio.wait_for(driver.generate(prompt, quiet, 8, stop_token_ids=NO_STOP), 120)
+  assert alone.tokens == greedy_reference(model, prompt, 8)
+  assert np.isnan(alone.logprobs).all() and len(alone.logprobs) == 8
+  # Sharing steps with a request that wants logprobs: both get them (one compiled path per step).
+  both = await asyncio.wait_for(
+    asyncio.gather(
+      driver.generate(prompt, quiet, 8, stop_token_ids=NO_STOP),
+      driver.generate(PROMPTS[0], GREEDY, 8, stop_token_ids=NO_STOP),
+    ),
+    120,
+  )
+  assert both[0].tokens == alone.tokens
+  np.testing.assert_allclose(
+    both[1].logprobs, learner_logprobs(model, PROMPTS[0], both[1].tokens, 1.0), atol=1e-4
+  )
+
+
 async def test_sampled_logprobs_equal_learner_and_seeds_reproduce(make_driver):
   model = tiny_model(seed=2)
   driver = make_driver(model, slots=4)

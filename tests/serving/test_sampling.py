@@ -86,3 +86,18 @@ def test_mode_for():
   assert sampling.mode_for([g, s]) == "sample"
   assert sampling.mode_for([s, p]) == "truncate"
   assert sampling.mode_for([g, SamplingParams(temperature=0, top_k=3)]) == "greedy"
+  quiet = SamplingParams(temperature=0, logprobs=False)
+  assert sampling.mode_for([quiet, quiet]) == "argmax"
+  assert sampling.mode_for([quiet, g]) == "greedy"  # one slot wants logprobs: all get them
+  assert sampling.mode_for([quiet, s]) == "sample"
+
+
+def test_argmax_mode_skips_logprobs_only():
+  rng = np.random.default_rng(3)
+  logits = jnp.asarray(rng.standard_normal((4, 3000)) * 2, jnp.float32)
+  keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(4))
+  args = (logits, keys, jnp.arange(4), jnp.zeros((4,)), jnp.ones((4,)), jnp.zeros((4,), jnp.int32))
+  tok_g, lp_g = sampling.sample(*args, "greedy")
+  tok_a, lp_a = sampling.sample(*args, "argmax")
+  assert np.asarray(tok_a).tolist() == np.asarray(tok_g).tolist() == np.argmax(logits, -1).tolist()
+  assert np.isnan(np.asarray(lp_a)).all() and np.isfinite(np.asarray(lp_g)).all()
