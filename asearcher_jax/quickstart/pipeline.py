@@ -142,6 +142,23 @@ def evaluate(
   }
 
 
+def rl_pool(files: WorldFiles, which: str, eval_questions: int | None) -> list:
+  """The RL question pool (see `quickstart`'s rl_questions): "train", or "heldout" = the test
+  split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
+  training questions and the evaluation."""
+  if which == "train":
+    return rl_commands.load_qa(files.train)
+  if which != "heldout":
+    raise AsearcherError(f"rl_questions must be 'heldout' or 'train', got {which!r}")
+  items = rl_commands.load_qa(files.test)[eval_questions:] if eval_questions is not None else []
+  if not items:
+    raise AsearcherError(
+      "rl_questions='heldout' needs test questions beyond the evaluated ones: set "
+      "eval_questions below the test split's size, or rl_questions='train'"
+    )
+  return items
+
+
 def quickstart(
   *,
   run_dir: str = "runs/quickstart",
@@ -159,6 +176,7 @@ def quickstart(
   learning_rate: float = 1e-4,
   ppo_minibatches: int = 1,
   curriculum: bool = False,
+  rl_questions: str = "heldout",
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
   eval_concurrency: int = 32,
@@ -182,6 +200,11 @@ def quickstart(
     ppo_minibatches: optimizer steps per RL training step (the batch split into minibatches).
     curriculum: draw RL questions through the learnability curriculum (`rl.cursors`): kinds of
       questions whose recent groups were all-equal are sampled less.
+    rl_questions: where RL draws its questions. "heldout": the test split minus the evaluated
+      questions, i.e. questions neither the warm start nor the evaluation has seen; "train": the
+      warm start's own SFT questions. Measured on the shipped warm start (T = 1, 4 samples, 64
+      questions): seen 1-hop questions score 19.5 % Avg@4, unseen ones 7.4 %, so on "train" much
+      of the RL reward comes from recalling memorised answers rather than from searching.
     agent / engine: the agent's budgets and the in-process engine's slots and context.
     eval_concurrency: questions evaluated at once.
     batch_timeout_s: fail the RL stage if no batch of accepted groups arrives within this long.
@@ -199,12 +222,13 @@ def quickstart(
   with tracker.stage("world"):
     _, files = prepare_world(root / "world", world)
     check_tokenizer(files, warm)
+    rl_items = rl_pool(files, rl_questions, eval_questions)
   addr_dir = root / "rl" / "retrieval_addrs"
   with RetrievalThread(files.index, addr_dir=addr_dir) as server:
     with tracker.stage("load"):
       run = rl_commands.build_run(
         run_dir=str(root / "rl"), model_dir=str(warm), tokenizer_dir=str(warm),
-        items=rl_commands.load_qa(files.train), train_steps=rl_max_steps,
+        items=rl_items, train_steps=rl_max_steps,
         batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent,
         engine=engine, driver=DriverConfig(request_timeout_s=600.0), agent=agent,
         ppo=PPOConfig(

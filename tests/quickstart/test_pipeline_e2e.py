@@ -74,6 +74,10 @@ def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tmp_path):
   committed = [i for line in (run_dir / "rl" / "replay" / CONSUMED_LOG).read_text().splitlines()
                for i in json.loads(line)["ids"] if not json.loads(line).get("discarded")]  # fmt: skip
   assert len(committed) == 2 * summary["rl_steps"] == len(set(committed))
+  # RL drew only questions neither the warm start (train split) nor the evaluation has seen:
+  # group ids end in the question id, and the pool is the test split after the evaluated 4.
+  test_ids = [json.loads(x)["id"] for x in (run_dir / "world" / "test.jsonl").open()]
+  assert {i.rsplit("/", 1)[-1] for i in committed} <= set(test_ids[4:])
   assert list((run_dir / "rl" / "metrics").glob("events.out.tfevents.*"))  # TensorBoard
   assert list((run_dir / "rl" / "checkpoints").iterdir())
   assert len(list((run_dir / "eval").iterdir())) == 2  # SFT and RL evaluations, separately

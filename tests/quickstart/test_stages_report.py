@@ -1,4 +1,5 @@
-"""The quickstart's stage display (order, ETA from measured speed) and report helpers."""
+"""The quickstart's stage display (order, ETA from measured speed), report helpers, and the RL
+question pool."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 
 import pytest
 
-from asearcher_jax.quickstart import report
+from asearcher_jax.data.qa import load_qa_file
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.quickstart import pipeline, report
 from asearcher_jax.quickstart.stages import PRIOR_S, StageTracker
+from asearcher_jax.quickstart.world import WorldFiles
 
 
 def test_stages_run_in_order_and_eta_rescales_by_measured_speed(monkeypatch):
@@ -47,3 +51,28 @@ def test_metrics_curves_windows_and_plots(tmp_path):
   assert {p.name for p in paths} == {"reward.png", "accuracy.png", "turns.png",
                                      "tool_calls.png", "training.png"}  # fmt: skip
   assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_rl_pool_heldout_excludes_training_and_evaluated_questions(tmp_path):
+  def write(name: str, n: int) -> None:
+    rows = [{"id": f"{name}-{i}", "question": f"{name} question {i}?", "answer": str(i)}
+            for i in range(n)]  # fmt: skip
+    (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+  write("train", 5)
+  write("test", 7)
+  files = WorldFiles(
+    root=tmp_path, corpus=tmp_path / "c", train=tmp_path / "train.jsonl",
+    test=tmp_path / "test.jsonl", tokenizer=tmp_path / "t", index=tmp_path / "i", digest="",
+  )  # fmt: skip
+  evaluated = {e.question for e in load_qa_file(files.test, name="t")[:3]}  # what evaluate reads
+  pool = pipeline.rl_pool(files, "heldout", 3)
+  assert [i.question for i in pool] == [f"test question {i}?" for i in range(3, 7)]
+  assert not evaluated & {i.question for i in pool}
+  assert [i.question for i in pipeline.rl_pool(files, "train", 3)][0] == "train question 0?"
+  with pytest.raises(AsearcherError, match="beyond the evaluated"):
+    pipeline.rl_pool(files, "heldout", 7)
+  with pytest.raises(AsearcherError, match="beyond the evaluated"):
+    pipeline.rl_pool(files, "heldout", None)
+  with pytest.raises(AsearcherError, match="'heldout' or 'train'"):
+    pipeline.rl_pool(files, "test", 3)
