@@ -69,7 +69,7 @@ def test_rl_pool_heldout_excludes_training_and_evaluated_questions(tmp_path):
   pool = pipeline.rl_pool(files, "heldout", 3)
   assert [i.question for i in pool] == [f"test question {i}?" for i in range(3, 7)]
   assert not evaluated & {i.question for i in pool}
-  assert [i.question for i in pipeline.rl_pool(files, "train", 3)][0] == "train question 0?"
+  assert len(pipeline.rl_pool(files, "train", 3)) == 5  # the whole train split
   with pytest.raises(AsearcherError, match="beyond the evaluated"):
     pipeline.rl_pool(files, "heldout", 7)
   with pytest.raises(AsearcherError, match="beyond the evaluated"):
