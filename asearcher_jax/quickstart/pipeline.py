@@ -42,7 +42,7 @@ from asearcher_jax.quickstart.stages import StageTracker
 from asearcher_jax.quickstart.world import RetrievalThread, WorldFiles, prepare_world
 from asearcher_jax.rl import commands as rl_commands
 from asearcher_jax.rl.learner import PPOConfig
-from asearcher_jax.rl.rollout import RolloutConfig
+from asearcher_jax.rl.rollout import QAItem, RolloutConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.serving.types import SamplingParams
@@ -142,7 +142,7 @@ def evaluate(
   }
 
 
-def rl_pool(files: WorldFiles, which: str, eval_questions: int | None) -> list:
+def rl_pool(files: WorldFiles, which: str, eval_questions: int | None) -> list[QAItem]:
   """The RL question pool (see `quickstart`'s rl_questions): "train", or "heldout" = the test
   split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
   training questions and the evaluation."""

@@ -120,10 +120,11 @@ def _draw(
   temp: jax.Array,
 ) -> jax.Array:
   """Exact categorical sampling from softmax(x / temp), x in blocks [S, nb, block] with their
-  masses [S, nb] (`_block_mass`) and its cumsum `cdf`: one uniform per row against the CDF, in two levels (blocks of
-  the vocabulary, then tokens in the chosen block, whose weights are recomputed from 128 logits).
-  Avoids Gumbel-max, which draws one random number per vocabulary entry, a 150k-long cumsum, and
-  materialising the [S, V] weights, each several times slower on CPU. Returns [S] int32."""
+  masses [S, nb] (`_block_mass`) and the masses' cumsum `cdf`: one uniform per row against the
+  CDF, in two levels (blocks of the vocabulary, then tokens in the chosen block, whose weights
+  are recomputed from its logits). Avoids Gumbel-max, which draws one random number per
+  vocabulary entry, a 150k-long cumsum, and materialising the [S, V] weights, each several times
+  slower on CPU. Returns [S] int32."""
   _, nb, block = xb.shape
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
   target = u * cdf[:, -1]
