@@ -133,6 +133,7 @@ class Workload:
   eta: int = 4
   async_concurrent: int = 12
   slots: int | None = None  # None: one per episode in flight in async mode (12 x 4 = 48)
+  decode_rows: tuple[int, ...] = (8, 16)  # EngineConfig.decode_rows; () decodes every slot
   minibatches: int = 4
   hidden: int = 32
   layers: int = 2
@@ -176,7 +177,9 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
   policy = transformer.Transformer(model_config(w), rngs=nnx.Rngs(w.seed))
   graphdef, params = nnx.split(policy)
   slots = w.slots or w.async_concurrent * w.group_size
-  cfg = EngineConfig(max_slots=slots, max_seq_len=MAX_SEQ, prefill_buckets=(512, 1024))
+  cfg = EngineConfig(
+    max_slots=slots, max_seq_len=MAX_SEQ, prefill_buckets=(512, 1024), decode_rows=w.decode_rows
+  )
   engine = Engine.from_model(policy, tokenizer, cfg)
   driver = Driver(engine, DriverConfig(request_timeout_s=600.0, prefix_reuse=w.prefix_reuse))
   learner = Learner(
@@ -301,6 +304,7 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
   )  # fmt: skip
   stats0 = shared.driver.stats()
   tokens0 = float(stats0["tokens_generated"])
+  steps0, rows0 = shared.driver.metrics["decode_steps"], shared.driver.metrics["decode_rows"]
   try:
     with OccupancySampler(shared.driver) as occ:
       rollout.start()
@@ -323,6 +327,9 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
   steady = sum(step_s[1:])
   steady_idle = sum(m["timing/wait_batch_s"] for m in h[1:])
   ro = rollout.metrics(reset=False)
+  end = shared.driver.stats()
+  steps_n = shared.driver.metrics["decode_steps"] - steps0
+  rows_n = shared.driver.metrics["decode_rows"] - rows0
   return {
     "steps": len(h),
     "wall_s": round(wall, 2),
@@ -348,8 +355,16 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
     # Prefix reuse (DriverConfig.prefix_reuse): agent turns admitted into their previous turn's
     # parked slot, prompt tokens whose keys/values were reused vs prefilled during this mode.
     "prefix": {
-      k: int(shared.driver.stats().get(k, 0) - stats0.get(k, 0))
+      k: int(end.get(k, 0) - stats0.get(k, 0))
       for k in ("prefix_hits", "prefix_tokens_reused", "prefill_tokens", "prefix_evictions")
+    },
+    # Engine thread time (prefill includes the re-prefills after weight updates) and decode
+    # steps; rows per step < slots where EngineConfig.decode_rows let a step skip idle slots.
+    "engine": {
+      "prefill_s": round(end["prefill_s"] - stats0["prefill_s"], 2),
+      "decode_s": round(end["decode_s"] - stats0["decode_s"], 2),
+      "decode_steps": int(steps_n),
+      "rows_per_step": round(rows_n / max(steps_n, 1), 2),
     },
   }
 
@@ -365,6 +380,10 @@ def parse(argv: list[str] | None) -> Workload:
   p.add_argument(
     "--slots", type=int, default=d.slots, help="engine slots (default: async episodes in flight)"
   )
+  p.add_argument(
+    "--decode-rows", default=",".join(map(str, d.decode_rows)),
+    help="decode-step sizes below the slot count, comma-separated ('' = every slot each step)",
+  )  # fmt: skip
   p.add_argument("--minibatches", type=int, default=d.minibatches)
   p.add_argument("--hidden", type=int, default=d.hidden)
   p.add_argument("--layers", type=int, default=d.layers)
@@ -384,6 +403,7 @@ def parse(argv: list[str] | None) -> Workload:
   return Workload(
     steps=a.steps, batch_groups=a.batch_groups, group_size=a.group_size, eta=a.eta,
     async_concurrent=a.async_concurrent, slots=a.slots, minibatches=a.minibatches,
+    decode_rows=tuple(int(x) for x in a.decode_rows.split(",") if x.strip()),
     hidden=a.hidden, layers=a.layers,
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,

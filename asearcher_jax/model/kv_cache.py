@@ -44,3 +44,12 @@ def write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(row, upd.astype(row.dtype), (s, 0, 0))
 
   return jax.vmap(one)(buf, new, start)
+
+
+def write_rows(buf: jax.Array, new: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes new[i] ([T, K, hd]) into buf[rows[i]] at row offset start[i]; rows must be distinct.
+
+  A scatter into the whole buffer, so that a step over a few gathered slots updates the donated
+  cache in place instead of copying the slots out and back."""
+  pos = start[:, None] + jnp.arange(new.shape[1])[None, :]
+  return buf.at[rows[:, None], pos].set(new.astype(buf.dtype), unique_indices=True)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.kv_cache import KVCache, write
+from asearcher_jax.model.kv_cache import KVCache, write, write_rows
 
 _NEG_INF = -1e30
 RopeTables = tuple[jax.Array, jax.Array]  # cos, sin: [B, T, 1, head_dim / 2], float32
@@ -164,13 +164,19 @@ class Attention(nnx.Module):
     k_buf: jax.Array,
     v_buf: jax.Array,
     attend_len: int | None = None,
+    rows: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q, k, v = self._qkv(x, rope)
-    k_buf, v_buf = write(k_buf, k, start), write(v_buf, v, start)
     # Only the first attend_len cache positions are read (the caller guarantees every row's
     # keys live there): decode cost follows the live context, not the cache size.
     n = k_buf.shape[1] if attend_len is None else attend_len
-    keys, values = k_buf[:, :n].astype(q.dtype), v_buf[:, :n].astype(q.dtype)
+    if rows is None:
+      k_buf, v_buf = write(k_buf, k, start), write(v_buf, v, start)
+      keys, values = k_buf[:, :n], v_buf[:, :n]
+    else:  # x row i belongs to cache row rows[i]: the other cache rows are neither read nor written
+      k_buf, v_buf = write_rows(k_buf, k, rows, start), write_rows(v_buf, v, rows, start)
+      keys, values = k_buf[rows, :n], v_buf[rows, :n]
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     # Query t of row b sits at start[b] + t and may see every cached key at or before it.
     mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]
     out = attend(q, keys, values, mask)
@@ -204,9 +210,9 @@ class DecoderLayer(nnx.Module):
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding_lib.constrain(x, ("batch", "length", "act_embed"))
 
-  def extend(self, x, rope, positions, start, k_buf, v_buf, attend_len=None):
+  def extend(self, x, rope, positions, start, k_buf, v_buf, attend_len=None, rows=None):
     h, k_buf, v_buf = self.self_attn.extend(
-      self.input_layernorm(x), rope, positions, start, k_buf, v_buf, attend_len
+      self.input_layernorm(x), rope, positions, start, k_buf, v_buf, attend_len, rows
     )
     x = x + h
     x = x + self.mlp(self.post_attention_layernorm(x))
@@ -295,20 +301,23 @@ class Transformer(nnx.Module):
     attend_len: int | None = None,
     *,
     return_hidden: bool = False,
+    rows: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache]:
     """Appends tokens [B, T] at per-row offsets start [B]; returns logits [B, T, V] and the cache.
 
     Prefill is `extend(prompt, zeros, cache)`; one decode step is `extend(next[:, None], lengths,
     cache)`. Rows must satisfy start + T <= cache.max_len, and start + T <= attend_len (static)
     when given. return_hidden=True returns the final hidden states [B, T, D] instead of logits
-    (prefill needs logits at one position only: `logits(hidden[:, i:i+1])`).
+    (prefill needs logits at one position only: `logits(hidden[:, i:i+1])`). rows [B] (distinct
+    cache rows) maps token row i to cache row rows[i], so a decode step can cover a few slots of
+    a large cache; by default token row i is cache row i.
     """
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     x = self.embed(tokens)
     rope = self.rope(positions)
     ks, vs = [], []
     for layer, k_buf, v_buf in zip(self.layers, cache.k, cache.v, strict=True):
-      x, k_buf, v_buf = layer.extend(x, rope, positions, start, k_buf, v_buf, attend_len)
+      x, k_buf, v_buf = layer.extend(x, rope, positions, start, k_buf, v_buf, attend_len, rows)
       ks.append(k_buf)
       vs.append(v_buf)
     out = x if return_hidden else self.logits(x)

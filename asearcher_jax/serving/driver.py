@@ -247,6 +247,9 @@ class Driver:
       "decode_tokens_per_s": self.metrics["decode_tokens"] / decode_s,
       "prefill_s": self.metrics["prefill_s"],
       "decode_s": self.metrics["decode_s"],
+      "decode_steps": self.metrics["decode_steps"],
+      # Slots computed per decode step (decode_rows: only enough for the live ones).
+      "decode_rows_per_step": self.metrics["decode_rows"] / max(self.metrics["decode_steps"], 1),
       "last_update_ms": self.metrics["last_update_ms"],
       "requests_done": self.metrics["done"],
       "requests_failed": self.metrics["failed"],
@@ -465,12 +468,14 @@ class Driver:
       mode = mode_for(r.sampling for _, r in live)
       try:
         self._state, result = self.engine.generate(
-          self._params, self._state, max_length=longest, mode=mode
+          self._params, self._state, max_length=longest, mode=mode, live=[s for s, _ in live]
         )
       except Exception as e:
         self._generate_failed(e)
         return
       self._in_flight = _InFlight(result=result, owners=list(self._slots))
+      self.metrics["decode_steps"] += 1
+      self.metrics["decode_rows"] += self.engine.rows_for(len(live))
     if previous is not None:
       self._collect(previous)
     self.metrics["decode_s"] += time.perf_counter() - t0

@@ -25,11 +25,15 @@ def tiny_model(seed: int = 0, **kw):
 def make_driver(tokenizer):
   drivers = []
 
-  def make(model=None, *, slots=4, max_seq_len=64, buckets=(8, 16, 32), **driver_kw):
+  def make(
+    model=None, *, slots=4, max_seq_len=64, buckets=(8, 16, 32), decode_rows=(8, 16), **driver_kw
+  ):
     engine = Engine.from_model(
       model or tiny_model(),
       tokenizer,
-      EngineConfig(max_slots=slots, max_seq_len=max_seq_len, prefill_buckets=buckets),
+      EngineConfig(
+        max_slots=slots, max_seq_len=max_seq_len, prefill_buckets=buckets, decode_rows=decode_rows
+      ),
     )
     d = Driver(engine, DriverConfig(**driver_kw))
     drivers.append(d)

@@ -91,6 +91,79 @@ async def test_greedy_without_logprobs_same_tokens_nan_logprobs(make_driver):
   )
 
 
+async def test_decode_over_live_rows_only_matches_full_steps(make_driver):
+  """With decode_rows, a step computes only enough gathered rows for the live slots; tokens,
+  logprobs and the untouched slots must be exactly what full steps give."""
+  model = tiny_model(seed=4)
+  prompts = [*PROMPTS, [3, 1, 4, 1, 5, 9, 2, 6], [60, 61]]
+  lengths = [12, 3, 9, 5, 14, 7]  # requests finish at different steps: the live set shrinks
+  sp = [SamplingParams(temperature=0.9, seed=s) for s in range(len(prompts))]
+
+  async def run(driver):
+    return await asyncio.wait_for(
+      asyncio.gather(
+        *[
+          driver.generate(p, s, n, stop_token_ids=NO_STOP)
+          for p, s, n in zip(prompts, sp, lengths, strict=True)
+        ]
+      ),
+      120,
+    )
+
+  full = make_driver(model, slots=8, decode_rows=())
+  gathered = make_driver(model, slots=8, decode_rows=(2, 4))
+  want, got = await run(full), await run(gathered)
+  for p, w, g in zip(prompts, want, got, strict=True):
+    assert g.tokens == w.tokens and len(g.tokens) > 0
+    np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    np.testing.assert_allclose(g.logprobs, learner_logprobs(model, p, g.tokens, 0.9), atol=1e-4)
+  assert full.stats()["decode_rows_per_step"] == 8
+  assert gathered.stats()["decode_rows_per_step"] < 8  # the shrinking tail ran on 4 or 2 rows
+  # Greedy through gathered steps equals full forward passes too (a second wave of requests
+  # lands in slots whose neighbours are parked, with their caches left as they were).
+  again = await asyncio.wait_for(
+    asyncio.gather(*[gathered.generate(p, GREEDY, 6, stop_token_ids=NO_STOP) for p in prompts[:3]]),
+    120,
+  )
+  for p, r in zip(prompts[:3], again, strict=True):
+    assert r.tokens == greedy_reference(model, p, 6)
+
+
+def test_gathered_step_leaves_other_slots_alone(tokenizer):
+  from asearcher_jax.serving.engine import Engine, EngineConfig
+
+  engine = Engine.from_model(
+    tiny_model(seed=5), tokenizer,
+    EngineConfig(max_slots=6, max_seq_len=32, prefill_buckets=(8,), decode_rows=(2,)),
+  )  # fmt: skip
+  params, state = engine.load_params(), engine.init_decode_state()
+  for slot, prompt in enumerate([[5, 6, 7], [8, 9], [10, 11, 12, 13]]):
+    padded, n = engine.pad(prompt)
+    state = engine.insert(
+      engine.prefill(params=params, padded_tokens=padded, true_length=n), state, slot
+    )
+  before = jax.tree.map(np.asarray, state)
+  state, result = engine.generate(params, state, max_length=8, mode="greedy", live=[2, 0])
+  after = jax.tree.map(np.asarray, state)
+  data = np.asarray(result.data)
+  assert list(data[:, 1]) == [1, 0, 1, 0, 0, 0]  # valid only where computed and live
+  assert list(after.lengths) == [4, 2, 5, 0, 0, 0]  # slot 1 is active but was not in `live`
+  for k0, k1 in zip(before.cache.k, after.cache.k, strict=True):
+    np.testing.assert_array_equal(k1[1], k0[1])  # not read, not written
+    np.testing.assert_array_equal(k1[3:], k0[3:])
+    assert not np.array_equal(k1[0, 3], k0[0, 3])  # the live slots' new keys landed
+  # One live slot, padded to the 2-row step with another slot that rides along inactive: that
+  # one keeps its length, and only the cache's last position (never a prefix) is written.
+  state, result = engine.generate(params, state, max_length=8, mode="greedy", live=[2])
+  padded_after = jax.tree.map(np.asarray, state)
+  assert list(np.asarray(result.data)[:, 1]) == [0, 0, 1, 0, 0, 0]
+  assert list(padded_after.lengths) == [4, 2, 6, 0, 0, 0]
+  for k1, k2 in zip(after.cache.k, padded_after.cache.k, strict=True):
+    np.testing.assert_array_equal(k2[0, :-1], k1[0, :-1])
+  with pytest.raises(ValueError, match="bad live slots"):
+    engine.generate(params, state, max_length=8, mode="greedy", live=[0, 9])
+
+
 async def test_sampled_logprobs_equal_learner_and_seeds_reproduce(make_driver):
   model = tiny_model(seed=2)
   driver = make_driver(model, slots=4)
