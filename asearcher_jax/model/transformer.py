@@ -118,6 +118,25 @@ def attend_causal(
   return jnp.concatenate(outs, axis=1)
 
 
+def attend_blocked(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int, *, causal: bool
+) -> jax.Array:
+  """Attention over many queries in blocks of `block`, so the [B, H, T, S] score tensor is never
+  whole: a prefill of 8 prompts x 2,048 tokens would otherwise hold ~0.5 GB of f32 scores per
+  copy (measured: +1.9 GB peak RSS in the quickstart's engine). causal: query t sits at position
+  t (a prefill into an empty cache), so each block also skips the keys after its end."""
+  if causal:
+    return attend_causal(q, k, v, mask, block)
+  t = q.shape[1]
+  if block <= 0 or t <= block:
+    return attend(q, k, v, mask)
+  outs = []
+  for i in range(0, t, block):
+    sl = slice(i, min(i + block, t))
+    outs.append(attend(q[:, sl], k, v, mask[:, sl]))
+  return jnp.concatenate(outs, axis=1)
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, hd = cfg.hidden_size, cfg.resolved_head_dim
@@ -165,6 +184,7 @@ class Attention(nnx.Module):
     v_buf: jax.Array,
     attend_len: int | None = None,
     rows: jax.Array | None = None,
+    fresh: bool = False,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q, k, v = self._qkv(x, rope)
     # Only the first attend_len cache positions are read (the caller guarantees every row's
@@ -179,7 +199,7 @@ class Attention(nnx.Module):
     keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     # Query t of row b sits at start[b] + t and may see every cached key at or before it.
     mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]
-    out = attend(q, keys, values, mask)
+    out = attend_blocked(q, keys, values, mask, self.cfg.attention_block, causal=fresh)
     return self.o_proj(out.reshape(x.shape[0], x.shape[1], -1)), k_buf, v_buf
 
 
@@ -210,9 +230,11 @@ class DecoderLayer(nnx.Module):
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding_lib.constrain(x, ("batch", "length", "act_embed"))
 
-  def extend(self, x, rope, positions, start, k_buf, v_buf, attend_len=None, rows=None):
+  def extend(
+    self, x, rope, positions, start, k_buf, v_buf, attend_len=None, rows=None, fresh=False
+  ):
     h, k_buf, v_buf = self.self_attn.extend(
-      self.input_layernorm(x), rope, positions, start, k_buf, v_buf, attend_len, rows
+      self.input_layernorm(x), rope, positions, start, k_buf, v_buf, attend_len, rows, fresh
     )
     x = x + h
     x = x + self.mlp(self.post_attention_layernorm(x))
@@ -302,6 +324,7 @@ class Transformer(nnx.Module):
     *,
     return_hidden: bool = False,
     rows: jax.Array | None = None,
+    fresh: bool = False,
   ) -> tuple[jax.Array, KVCache]:
     """Appends tokens [B, T] at per-row offsets start [B]; returns logits [B, T, V] and the cache.
 
@@ -310,14 +333,18 @@ class Transformer(nnx.Module):
     when given. return_hidden=True returns the final hidden states [B, T, D] instead of logits
     (prefill needs logits at one position only: `logits(hidden[:, i:i+1])`). rows [B] (distinct
     cache rows) maps token row i to cache row rows[i], so a decode step can cover a few slots of
-    a large cache; by default token row i is cache row i.
+    a large cache; by default token row i is cache row i. fresh=True promises start == 0 and a
+    cache of exactly T positions (a prefill), letting attention skip the keys a query block
+    cannot see. Queries run in blocks of `attention_block` either way, bounding memory.
     """
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     x = self.embed(tokens)
     rope = self.rope(positions)
     ks, vs = [], []
     for layer, k_buf, v_buf in zip(self.layers, cache.k, cache.v, strict=True):
-      x, k_buf, v_buf = layer.extend(x, rope, positions, start, k_buf, v_buf, attend_len, rows)
+      x, k_buf, v_buf = layer.extend(
+        x, rope, positions, start, k_buf, v_buf, attend_len, rows, fresh
+      )
       ks.append(k_buf)
       vs.append(v_buf)
     out = x if return_hidden else self.logits(x)

@@ -288,6 +288,7 @@ def quickstart(
       "k": k, "num_test_questions": before["n"], "world_seed": world.seed,
       "world_digest": files.digest, "warm_start": str(warm),
       "stages": tracker.timings(),
+      "stages_peak_rss_mb": tracker.peak_rss(),
       "wall_s": round(time.time() - t0, 1),
       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }  # fmt: skip

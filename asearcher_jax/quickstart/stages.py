@@ -10,6 +10,7 @@ prints one line per stage start/end and per 10% of progress, so logs stay readab
 from __future__ import annotations
 
 import contextlib
+import resource
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -53,6 +54,8 @@ class StageTracker:
     self.names = [n for n, _ in stages]
     self.estimates = [max(float(e), 1e-3) for _, e in stages]
     self.actual: dict[int, float] = {}
+    # Peak RSS of the process (MB) when each stage ended: where a memory peak happened.
+    self.peak_rss_mb: dict[int, float] = {}
     self.prefix = prefix
     self.stream = stream or sys.stderr
     self.t0 = time.perf_counter()
@@ -128,6 +131,7 @@ class StageTracker:
       yield handle
     finally:
       self.actual[index] = time.perf_counter() - self._stage_t0
+      self.peak_rss_mb[index] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
       handle.fraction = 1.0
       self._render(handle, f"done in {_fmt_s(self.actual[index])}")
       if self._progress is not None and len(self.actual) == len(self.names):
@@ -139,3 +143,7 @@ class StageTracker:
 
   def timings(self) -> dict[str, float]:
     return {self.names[i]: round(t, 2) for i, t in sorted(self.actual.items())}
+
+  def peak_rss(self) -> dict[str, float]:
+    """Process peak RSS (MB, Linux ru_maxrss) at the end of each finished stage."""
+    return {self.names[i]: round(m, 1) for i, m in sorted(self.peak_rss_mb.items())}

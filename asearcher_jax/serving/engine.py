@@ -124,7 +124,9 @@ def _prefill(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true
              temperature, top_p, top_k) -> Prefix:  # fmt: skip
   model: Transformer = nnx.merge(graphdef, params.state)
   cache = KVCache.init(model.cfg, batch=1, max_len=tokens.shape[1])
-  hidden, cache = model.extend(tokens, jnp.zeros((1,), jnp.int32), cache, return_hidden=True)
+  hidden, cache = model.extend(
+    tokens, jnp.zeros((1,), jnp.int32), cache, return_hidden=True, fresh=True
+  )
   # The output head only at the last prompt position: [1, V] instead of [bucket, V] logits.
   h_last = jax.lax.dynamic_slice_in_dim(hidden, true_length - 1, 1, axis=1)
   last = model.logits(h_last)[0, 0]

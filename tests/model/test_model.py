@@ -139,3 +139,26 @@ def test_blocked_causal_attention_equals_full_matrix():
   for block in (4, 8):  # 4 and 2 query blocks
     blocked = _model(small_cfg(attention_block=block), seed=4)(tok, pos, seg)
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), atol=1e-5)
+
+
+def test_extend_in_query_blocks_equals_full_forward():
+  """Prefill (fresh) and suffix prefills longer than attention_block run in query blocks; both
+  must give the full forward's logits and the same cache."""
+  rng = np.random.default_rng(6)
+  tok = rng.integers(0, 101, (2, 16))
+  want = np.asarray(_model(small_cfg(attention_block=0), seed=7)(jnp.asarray(tok)))
+  model = _model(small_cfg(attention_block=4), seed=7)
+  cfg = model.cfg
+  fresh, _ = model.extend(
+    jnp.asarray(tok[:, :12]), jnp.zeros(2, jnp.int32), KVCache.init(cfg, 2, 12), fresh=True
+  )
+  np.testing.assert_allclose(np.asarray(fresh), want[:, :12], atol=1e-4)
+  # Rows at different offsets: prefix of 3 / 5 tokens, then a 10-token suffix (3 query blocks).
+  cache = KVCache.init(cfg, batch=2, max_len=16)
+  prefix = np.zeros((2, 5), np.int64)
+  prefix[0, :3], prefix[1] = tok[0, :3], tok[1, :5]
+  _, cache = model.extend(jnp.asarray(prefix), jnp.zeros(2, jnp.int32), cache)
+  suffix = np.stack([tok[0, 3:13], tok[1, 5:15]])
+  got, _ = model.extend(jnp.asarray(suffix), jnp.asarray([3, 5], jnp.int32), cache)
+  np.testing.assert_allclose(np.asarray(got[0]), want[0, 3:13], atol=1e-4)
+  np.testing.assert_allclose(np.asarray(got[1]), want[1, 5:15], atol=1e-4)

@@ -33,6 +33,8 @@ def test_stages_run_in_order_and_eta_rescales_by_measured_speed(monkeypatch):
   lines = out.getvalue().splitlines()
   assert lines[0].startswith("[quickstart [1/2] a]") and "ETA" in lines[0]
   assert any("[2/2] b" in x and "50%" in x for x in lines)
+  rss = tracker.peak_rss()  # the process's peak so far, recorded as each stage ended
+  assert list(rss) == ["a", "b"] and 0 < rss["a"] <= rss["b"]
 
 
 def test_metrics_curves_windows_and_plots(tmp_path):
