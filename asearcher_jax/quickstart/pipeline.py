@@ -231,9 +231,11 @@ def quickstart(
         items=rl_items, train_steps=rl_max_steps,
         batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent,
         engine=engine, driver=DriverConfig(request_timeout_s=600.0), agent=agent,
+        # micro_rows=4: a minibatch of 8 rows of 2,048 tokens needed ~5 GB of XLA:CPU
+        # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
         ppo=PPOConfig(
           row_len=engine.max_seq_len, temperature=max(temperature, 1e-6),
-          ppo_n_minibatches=ppo_minibatches,
+          ppo_n_minibatches=ppo_minibatches, micro_rows=4,
         ),
         optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
         rollout=RolloutConfig(

@@ -64,6 +64,10 @@ class PPOConfig:
   row_len: tokens per packed row; the longest training sequence must fit.
   row_buckets: allowed total row counts of a packed minibatch (multiples of the data shard
     count); None = a power of two rows per shard.
+  micro_rows: rows per forward/backward pass; a minibatch with more rows accumulates exact
+    gradients over micro-batches of this many (`steps.train_step`), bounding the step's memory
+    (XLA:CPU: ~630 MB of temporaries per 2,048-token row). Row counts above it must be
+    multiples of it (power-of-two buckets and micro_rows are). None = the whole minibatch.
   """
 
   eps_clip: float = 0.2
@@ -83,6 +87,7 @@ class PPOConfig:
   temperature: float = 1.0
   row_len: int = 4096
   row_buckets: tuple[int, ...] | None = None
+  micro_rows: int | None = None
 
   def __post_init__(self):
     if not 0 < self.eps_clip < 1:
@@ -103,6 +108,10 @@ class PPOConfig:
       raise ValueError(f"temperature must be > 0, got {self.temperature}")
     if self.row_len < 2:
       raise ValueError(f"row_len must be >= 2, got {self.row_len}")
+    if self.micro_rows is not None:
+      bad = [r for r in self.row_buckets or () if r > self.micro_rows and r % self.micro_rows]
+      if self.micro_rows < 1 or bad:
+        raise ValueError(f"micro_rows={self.micro_rows} must be >= 1 and divide row buckets {bad}")
 
 
 def ppo_objective(
@@ -168,8 +177,9 @@ class Learner:
       self.num_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     loss_fn = functools.partial(ppo_objective, ppo)
     self._train = steps.compile_train_step(
-      graphdef, self._optimizer, loss_fn, self.state, mesh=mesh, rules=rules
-    )
+      graphdef, self._optimizer, loss_fn, self.state, mesh=mesh, rules=rules,
+      micro_rows=ppo.micro_rows,
+    )  # fmt: skip
     self._score = steps.compile_score_step(graphdef, params, mesh=mesh, rules=rules)
 
   # --- state ----------------------------------------------------------------------------------
