@@ -78,3 +78,24 @@ def test_rl_pool_heldout_excludes_training_and_evaluated_questions(tmp_path):
     pipeline.rl_pool(files, "heldout", None)
   with pytest.raises(AsearcherError, match="'heldout' or 'train'"):
     pipeline.rl_pool(files, "test", 3)
+
+
+def test_ship_copies_the_model_and_points_its_card_at_the_copy(tmp_path):
+  from asearcher_jax.quickstart.warm_start import ship
+
+  out, model, dest = tmp_path / "run", tmp_path / "run" / "sft" / "model", tmp_path / "assets"
+  model.mkdir(parents=True)
+  for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    (model / name).write_text(name)
+  (model / "optimizer_state.bin").write_text("not shipped")
+  (out / "warm_start.json").write_text("{}")
+  (out / "model_card.md").write_text(
+    f"""asearcher train --gin_param='commands.train.model_dir="{model}"'\n"""
+  )
+  ship(model, out, dest)
+  assert sorted(p.name for p in dest.iterdir()) == [
+    "config.json", "model.safetensors", "model_card.md", "tokenizer.json",
+    "tokenizer_config.json", "warm_start.json",
+  ]  # fmt: skip
+  card = (dest / "model_card.md").read_text()
+  assert f'model_dir="{dest}"' in card and str(model) not in card
