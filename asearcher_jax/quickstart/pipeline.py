@@ -202,9 +202,9 @@ def quickstart(
       questions whose recent groups were all-equal are sampled less.
     rl_questions: where RL draws its questions. "heldout": the test split minus the evaluated
       questions, i.e. questions neither the warm start nor the evaluation has seen; "train": the
-      warm start's own SFT questions. Measured on the shipped warm start (T = 1, 4 samples, 64
-      questions): seen 1-hop questions score 19.5 % Avg@4, unseen ones 7.4 %, so on "train" much
-      of the RL reward comes from recalling memorised answers rather than from searching.
+      warm start's own SFT questions. Measured on the first (700-step) warm start (T = 1, 4
+      samples, 64 questions): seen 1-hop questions score 19.5 % Avg@4, unseen ones 7.4 %, so on
+      "train" much of the RL reward comes from recalling memorised answers, not from searching.
     agent / engine: the agent's budgets and the in-process engine's slots and context.
     eval_concurrency: questions evaluated at once.
     batch_timeout_s: fail the RL stage if no batch of accepted groups arrives within this long.
