@@ -182,3 +182,52 @@ def test_micro_batches_give_the_whole_minibatch_update(model, sharded):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
   with pytest.raises(ValueError, match="micro_rows"):
     PPOConfig(micro_rows=3, row_buckets=(4, 8))
+
+
+def test_one_minibatch_takes_prox_from_the_step_forward(model):
+  """With one minibatch pi_prox is the pre-step policy, so the step's own forward (stop-gradient)
+  replaces the separate scoring pass: same update and metrics, and no scoring pass runs."""
+  _, graphdef, params = model
+  opt = steps.OptimizerConfig(learning_rate=1e-3)
+  fused = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=32, imp_weight_cap=1.2),
+                  optimizer=opt)  # fmt: skip
+  apart = Learner(
+    graphdef, _fresh(params), ppo=PPOConfig(row_len=32, imp_weight_cap=1.2, fused_prox=False),
+    optimizer=opt,
+  )  # fmt: skip
+  assert fused.ppo.prox_in_step and not apart.ppo.prox_in_step
+  assert not PPOConfig(ppo_n_minibatches=2).prox_in_step  # later minibatches need the old pi
+  for step in range(3):
+    groups = _groups(model, seed=step, noise=0.3, version=step)
+    m1, m2 = fused.train_step(groups), apart.train_step(groups)
+    for k in ("ppo/loss", "ppo/imp_weight_mean", "ppo/imp_weight_max", "ppo/cap_masked_frac",
+              "ppo/grad_norm", "ppo/behav_kl"):  # fmt: skip
+      np.testing.assert_allclose(m1[k], m2[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert m1["ppo/cap_masked_frac"] > 0  # the importance weights were live, not all 1
+  assert fused._score._cache_size() == 0 and apart._score._cache_size() == 1
+  for a, b in zip(jax.tree.leaves(fused.params), jax.tree.leaves(apart.params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_short_rows_pack_short_minibatches_and_train_the_same(model):
+  """short_row_lens: a minibatch packs into the shortest row length that holds its longest
+  sequence; the row length changes the cost, not the update."""
+  _, graphdef, params = model
+  opt = steps.OptimizerConfig(learning_rate=1e-3)
+  short = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=64, short_row_lens=(16, 32)),
+                  optimizer=opt)  # fmt: skip
+  long = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=64), optimizer=opt)
+  groups = _groups(model, noise=0.3)  # sequences of 12 tokens
+  assert short.prepare(groups)[0].arrays["tokens"].shape[1] == 16
+  assert long.prepare(groups)[0].arrays["tokens"].shape[1] == 64
+  m1, m2 = short.train_step(groups), long.train_step(groups)
+  np.testing.assert_allclose(m1["ppo/loss"], m2["ppo/loss"], rtol=1e-4, atol=1e-6)
+  assert m1["ppo/rows"] == 8 and m2["ppo/rows"] == 2  # 8 x 16 vs 2 x 64 cells for 96 tokens
+  for a, b in zip(jax.tree.leaves(short.params), jax.tree.leaves(long.params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  grown = _groups(model, seed=1, noise=0.3)  # one 20-token sequence: the minibatch needs 32
+  seq = grown[0].trajectories[0][0]
+  seq.update({k: np.concatenate([seq[k], seq[k][-8:]]) for k in seq})
+  assert short.prepare(grown)[0].arrays["tokens"].shape[1] == 32
+  with pytest.raises(ValueError, match="short_row_lens"):
+    PPOConfig(row_len=64, short_row_lens=(64,))
