@@ -137,6 +137,7 @@ class Workload:
   async_concurrent: int = 12
   slots: int | None = None  # None: one per episode in flight in async mode (12 x 4 = 48)
   decode_rows: tuple[int, ...] = (8, 16)  # EngineConfig.decode_rows; () decodes every slot
+  prefill_buckets: tuple[int, ...] = (512, 1024)  # EngineConfig.prefill_buckets (+ 2048)
   minibatches: int = 4
   hidden: int = 32
   layers: int = 2
@@ -181,7 +182,10 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
   graphdef, params = nnx.split(policy)
   slots = w.slots or w.async_concurrent * w.group_size
   cfg = EngineConfig(
-    max_slots=slots, max_seq_len=MAX_SEQ, prefill_buckets=(512, 1024), decode_rows=w.decode_rows
+    max_slots=slots,
+    max_seq_len=MAX_SEQ,
+    prefill_buckets=w.prefill_buckets,
+    decode_rows=w.decode_rows,
   )
   engine = Engine.from_model(policy, tokenizer, cfg)
   driver = Driver(engine, DriverConfig(request_timeout_s=600.0, prefix_reuse=w.prefix_reuse))
@@ -387,6 +391,10 @@ def parse(argv: list[str] | None) -> Workload:
     "--decode-rows", default=",".join(map(str, d.decode_rows)),
     help="decode-step sizes below the slot count, comma-separated ('' = every slot each step)",
   )  # fmt: skip
+  p.add_argument(
+    "--prefill-buckets", default=",".join(map(str, d.prefill_buckets)),
+    help=f"padded prompt lengths below the {MAX_SEQ}-token context, comma-separated",
+  )  # fmt: skip
   p.add_argument("--minibatches", type=int, default=d.minibatches)
   p.add_argument("--hidden", type=int, default=d.hidden)
   p.add_argument("--layers", type=int, default=d.layers)
@@ -407,6 +415,7 @@ def parse(argv: list[str] | None) -> Workload:
     steps=a.steps, batch_groups=a.batch_groups, group_size=a.group_size, eta=a.eta,
     async_concurrent=a.async_concurrent, slots=a.slots, minibatches=a.minibatches,
     decode_rows=tuple(int(x) for x in a.decode_rows.split(",") if x.strip()),
+    prefill_buckets=tuple(int(x) for x in a.prefill_buckets.split(",") if x.strip()),
     hidden=a.hidden, layers=a.layers,
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,

@@ -237,7 +237,7 @@ def quickstart(
         # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
         ppo=PPOConfig(
           row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
-          row_buckets=(4, 8, 12, 16, 24, 32), temperature=max(temperature, 1e-6),
+          row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
           ppo_n_minibatches=ppo_minibatches, micro_rows=4,
         ),
         optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
