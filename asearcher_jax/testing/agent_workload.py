@@ -121,20 +121,26 @@ class SteeringClient:
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] | None = None,
   ) -> GenerationResult:
-    want = max(1, min(max_new_tokens, self.rng.draw_int(self.output_len)))
+    act = "</search>" in stop
+    extra: list[int] = []
+    if act:
+      if self.searches < self.k:
+        self.searches += 1
+        action = f" <search>{self.tag} query {self.searches}</search>"
+      else:
+        action = f" <answer>{self.tag} answer</answer>"
+      extra = self.tokenizer.encode(action)
+    # The appended action counts against max_new_tokens like generated tokens, so a call never
+    # outgrows the agent's context budget (and no training sequence the engine's context).
+    budget = max(1, max_new_tokens - len(extra))
+    want = max(1, min(budget, self.rng.draw_int(self.output_len)))
     res = await self.inner.generate(token_ids, sampling, want, stop=stop, stop_token_ids=())
     tokens, logprobs, versions = list(res.tokens), list(res.logprobs), list(res.versions)
-    act = "</search>" in stop
     if not act:  # a read turn: the engine's output, minus a final EOS that would end the episode
       if tokens and tokens[-1] in self.tokenizer.stop_token_ids:
         tokens, logprobs, versions = tokens[:-1], logprobs[:-1], versions[:-1]
       return dataclasses.replace(res, tokens=tokens, logprobs=logprobs, versions=versions)
-    if self.searches < self.k:
-      self.searches += 1
-      action = f" <search>{self.tag} query {self.searches}</search>"
-    else:
-      action = f" <answer>{self.tag} answer</answer>"
-    extra = self.tokenizer.encode(action)
+    extra = extra[: max(0, max_new_tokens - len(tokens))]
     version = versions[-1] if versions else 0
     return GenerationResult(
       tokens=[*tokens, *extra],
