@@ -128,8 +128,8 @@ class PPOConfig:
   def prox_in_step(self) -> bool:
     """With one minibatch per step the proximal policy *is* the policy the step starts from, so
     pi_prox is the step's own forward pass (stop-gradient) rather than a second scoring pass:
-    the same objective, one forward fewer (-23 % learner step time, benchmarks/learner_rows.py). Micro-batches
-    accumulate gradients at the same pre-step weights, so this stays exact with them."""
+    the same objective, one forward fewer (-23 % learner step time, benchmarks/learner_rows.py).
+    Micro-batches accumulate gradients at the same pre-step weights, so it stays exact with them."""
     return self.fused_prox and self.recompute_prox and self.ppo_n_minibatches == 1
 
   def row_len_for(self, longest: int) -> int:
