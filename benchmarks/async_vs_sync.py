@@ -47,13 +47,15 @@ admitted into that call's parked slot and prefills only the new suffix (driver p
 "prefix"). The engine has one slot per episode that async mode keeps in flight (12 groups x 4
 = 48), so an episode's parked slot is not reclaimed while it waits for a tool: measured with 16
 slots, async mode re-prefilled 3x more prompt tokens (1,186 evictions in 10 steps) and the
-speedup was 1.97x instead of 2.75x. Every weight update re-prefills all in-flight slots and
-forgets the parked ones, so generation here is compute-heavy, and async mode can only win what
-sync mode leaves idle (tool waits, the long-tail barrier). Decode steps compute only the live
+speedup was 1.97x instead of 2.75x. By default (`DriverConfig.kv_on_update="recompute"`, AReaL)
+every weight update re-prefills all in-flight slots and forgets the parked ones, so an episode's
+next turn after an update prefills its whole context again; `--kv-on-update keep` (PipelineRL)
+keeps both. Generation here is compute-heavy, and async mode can only win what sync mode leaves
+idle (tool waits, the long-tail barrier). Decode steps compute only the live
 slots (`EngineConfig.decode_rows`, 8 and 16 rows of the 48; ~8.5 rows per step on average here):
 that took the async run from 54 s to 44 s (train step 3.2 -> 2.6 s, since the learner shares the
-cores). The per-mode "engine" entry gives prefill and decode seconds. The last line is one JSON
-object.
+cores). The per-mode "engine" entry gives prefill, weight-update and decode seconds. The last
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ from asearcher_jax.rl.rollout import QAItem, RolloutConfig, RolloutController
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.rl.weight_sync import InProcessWeightSync
-from asearcher_jax.serving.driver import Driver, DriverConfig
+from asearcher_jax.serving.driver import KV_ON_UPDATE, Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.testing.agent_workload import (
@@ -146,6 +148,7 @@ class Workload:
   tool_latency: LogNormal = TOOL_LATENCY
   seed: int = 0
   prefix_reuse: bool = True
+  kv_on_update: str = "recompute"  # DriverConfig.kv_on_update; "keep" skips re-prefills
 
 
 @dataclasses.dataclass
@@ -188,7 +191,10 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
     decode_rows=w.decode_rows,
   )
   engine = Engine.from_model(policy, tokenizer, cfg)
-  driver = Driver(engine, DriverConfig(request_timeout_s=600.0, prefix_reuse=w.prefix_reuse))
+  driver = Driver(
+    engine,
+    DriverConfig(request_timeout_s=600.0, prefix_reuse=w.prefix_reuse, kv_on_update=w.kv_on_update),
+  )
   learner = Learner(
     graphdef,
     jax.tree.map(jnp.copy, params),  # the learner donates; the engine keeps its own
@@ -365,10 +371,13 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
       k: int(end.get(k, 0) - stats0.get(k, 0))
       for k in ("prefix_hits", "prefix_tokens_reused", "prefill_tokens", "prefix_evictions")
     },
-    # Engine thread time (prefill includes the re-prefills after weight updates) and decode
-    # steps; rows per step < slots where EngineConfig.decode_rows let a step skip idle slots.
+    # Engine thread time: admissions' prefills, weight updates (swap + the re-prefill of every
+    # in-flight slot under kv_on_update="recompute") and decode steps; rows per step < slots
+    # where EngineConfig.decode_rows let a step skip idle slots.
     "engine": {
       "prefill_s": round(end["prefill_s"] - stats0["prefill_s"], 2),
+      "update_s": round(end["update_s"] - stats0["update_s"], 2),
+      "reprefill_tokens": int(end["reprefill_tokens"] - stats0["reprefill_tokens"]),
       "decode_s": round(end["decode_s"] - stats0["decode_s"], 2),
       "decode_steps": int(steps_n),
       "rows_per_step": round(rows_n / max(steps_n, 1), 2),
@@ -403,6 +412,10 @@ def parse(argv: list[str] | None) -> Workload:
   p.add_argument("--k-max", type=int, default=int(d.k_tools.high))
   p.add_argument("--seed", type=int, default=d.seed)
   p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every LLM call")
+  p.add_argument(
+    "--kv-on-update", default=d.kv_on_update, choices=KV_ON_UPDATE,
+    help="what a weight update does to in-flight and parked keys/values (DriverConfig)",
+  )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   a = p.parse_args(argv)
   if a.verbose:
@@ -419,7 +432,7 @@ def parse(argv: list[str] | None) -> Workload:
     hidden=a.hidden, layers=a.layers,
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
-    prefix_reuse=not a.no_prefix_reuse,
+    prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update,
   )  # fmt: skip
 
 
@@ -463,6 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     "occupancy_sync": sync["occupancy"],
     "steps": w.steps,
     "eta": w.eta,
+    "kv_on_update": w.kv_on_update,
     "sync": sync,
     "async": asyn,
     "platform": jax.devices()[0].platform,

@@ -175,8 +175,10 @@ def quickstart(
   max_concurrent: int = 12,
   learning_rate: float = 1e-4,
   ppo_minibatches: int = 1,
+  ppo_epochs: int = 1,
   curriculum: bool = False,
   rl_questions: str = "heldout",
+  kv_on_update: str = "recompute",
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
   eval_concurrency: int = 32,
@@ -197,7 +199,8 @@ def quickstart(
     rl_max_steps: upper bound on RL steps.
     batch_groups / group_size / max_staleness / max_concurrent: B, n, eta, groups in flight.
     learning_rate: AdamW learning rate of the RL learner.
-    ppo_minibatches: optimizer steps per RL training step (the batch split into minibatches).
+    ppo_minibatches: optimizer steps per pass over an RL batch (split into minibatches).
+    ppo_epochs: passes over each RL batch (all clipped around the pre-step policy).
     curriculum: draw RL questions through the learnability curriculum (`rl.cursors`): kinds of
       questions whose recent groups were all-equal are sampled less.
     rl_questions: where RL draws its questions. "heldout": the test split minus the evaluated
@@ -205,6 +208,8 @@ def quickstart(
       warm start's own SFT questions. Measured on the first (700-step) warm start (T = 1, 4
       samples, 64 questions): seen 1-hop questions score 19.5 % Avg@4, unseen ones 7.4 %, so on
       "train" much of the RL reward comes from recalling memorised answers, not from searching.
+    kv_on_update: what the engine does with in-flight keys/values when RL publishes new weights
+      (`DriverConfig.kv_on_update`): "recompute" re-prefills them, "keep" continues over them.
     agent / engine: the agent's budgets and the in-process engine's slots and context.
     eval_concurrency: questions evaluated at once.
     batch_timeout_s: fail the RL stage if no batch of accepted groups arrives within this long.
@@ -230,7 +235,8 @@ def quickstart(
         run_dir=str(root / "rl"), model_dir=str(warm), tokenizer_dir=str(warm),
         items=rl_items, train_steps=rl_max_steps,
         batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent,
-        engine=engine, driver=DriverConfig(request_timeout_s=600.0), agent=agent,
+        engine=engine, agent=agent,
+        driver=DriverConfig(request_timeout_s=600.0, kv_on_update=kv_on_update),
         # micro_rows=4: a minibatch of 8 rows of 2,048 tokens needed ~5 GB of XLA:CPU
         # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
         # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
@@ -238,7 +244,7 @@ def quickstart(
         ppo=PPOConfig(
           row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
           row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
-          ppo_n_minibatches=ppo_minibatches, micro_rows=4,
+          ppo_n_minibatches=ppo_minibatches, ppo_epochs=ppo_epochs, micro_rows=4,
         ),
         optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
         rollout=RolloutConfig(

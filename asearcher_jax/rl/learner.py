@@ -6,7 +6,8 @@ One training step, in named phases:
                            static bucket shape with every group on one data shard;
   compute_prox_logprobs    device: logprobs of every minibatch under the pre-step weights (one
                            jitted scoring pass; skipped when recompute is off);
-  update                   device: one jitted, donated optimizer step per minibatch.
+  update                   device: one jitted, donated optimizer step per minibatch, for
+                           `ppo_epochs` passes over the batch.
 The loss and the step are pure module-level functions; this class only holds the train state,
 the compiled functions and the policy version.
 """
@@ -60,8 +61,11 @@ class PPOConfig:
   group_norm_std: divide by the group std in group_norm (False = Dr.GRPO, centre only).
   global_norm: normalise advantages over all loss tokens of the step (mean/std, float64).
   norm_eps: added to every std before dividing.
-  ppo_n_minibatches: optimizer steps per training step; the batch is split into this many
-    token-balanced minibatches of whole groups (of sequences if there are fewer groups).
+  ppo_n_minibatches: optimizer steps per pass over the batch; the batch is split into this
+    many token-balanced minibatches of whole groups (of sequences if there are fewer groups).
+  ppo_epochs: passes over the batch per training step (verl's ppo_epochs), each one optimizer
+    step per minibatch, all clipped around the same pre-step pi_prox; > 1 reuses each sample
+    for more updates, which is nearly free while the learner waits for generation.
   temperature: logprob temperature; must equal the sampler's (`transformer.token_logprobs`).
   row_len: tokens per packed row; the longest training sequence must fit.
   short_row_lens: shorter row lengths a minibatch may pack into instead: the smallest one that
@@ -92,6 +96,7 @@ class PPOConfig:
   global_norm: bool = True
   norm_eps: float = 1e-5
   ppo_n_minibatches: int = 1
+  ppo_epochs: int = 1
   temperature: float = 1.0
   row_len: int = 4096
   short_row_lens: tuple[int, ...] = ()
@@ -113,6 +118,8 @@ class PPOConfig:
       raise ValueError("reward_clip must be > 0 and reward_scale non-zero")
     if self.ppo_n_minibatches < 1:
       raise ValueError(f"ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
+    if self.ppo_epochs < 1:
+      raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
     if self.temperature <= 0:
       raise ValueError(f"temperature must be > 0, got {self.temperature}")
     if self.row_len < 2:
@@ -126,11 +133,14 @@ class PPOConfig:
 
   @property
   def prox_in_step(self) -> bool:
-    """With one minibatch per step the proximal policy *is* the policy the step starts from, so
-    pi_prox is the step's own forward pass (stop-gradient) rather than a second scoring pass:
-    the same objective, one forward fewer (-23 % learner step time, benchmarks/learner_rows.py).
-    Micro-batches accumulate gradients at the same pre-step weights, so it stays exact with them."""
-    return self.fused_prox and self.recompute_prox and self.ppo_n_minibatches == 1
+    """With one optimizer step per training step the proximal policy *is* the policy the step
+    starts from, so pi_prox is the step's own forward pass (stop-gradient) rather than a second
+    scoring pass: the same objective, one forward fewer (-23 % learner step time,
+    benchmarks/learner_rows.py). Micro-batches accumulate gradients at the same pre-step
+    weights, so it stays exact with them."""
+    return (
+      self.fused_prox and self.recompute_prox and self.ppo_n_minibatches == self.ppo_epochs == 1
+    )
 
   def row_len_for(self, longest: int) -> int:
     """The packed row length of a minibatch whose longest sequence has `longest` tokens."""
@@ -331,23 +341,23 @@ class Learner:
     return self._score(self.state.params, inputs, self.ppo.temperature)
 
   def update(self, minibatches: Sequence[Minibatch]) -> dict[str, float]:
-    """One optimizer step per minibatch; metrics averaged (max for imp_weight_max)."""
-    per_step = []
+    """One optimizer step per minibatch, `ppo_epochs` times over; metrics averaged over the
+    steps (max for imp_weight_max; loss_tokens of one pass), and those of the last pass alone
+    as ppo/last_epoch/* when there are several (clip_frac and approx_kl show how far it went)."""
     for mb in minibatches:
       if mb.device is None or "prox_logprobs" not in mb.device:
         raise ValueError("minibatch has no prox_logprobs: run compute_prox_logprobs first")
-      self.state, m = self._train(self.state, {k: mb.device[k] for k in DEVICE_KEYS})
-      per_step.append(m)
+    per_step = []
+    for _ in range(self.ppo.ppo_epochs):
+      for mb in minibatches:
+        self.state, m = self._train(self.state, {k: mb.device[k] for k in DEVICE_KEYS})
+        per_step.append(m)
     per_step = jax.device_get(per_step)
-    out: dict[str, float] = {}
-    for k in per_step[0]:
-      vals = [float(m[k]) for m in per_step]
-      if k == "imp_weight_max":
-        out[f"ppo/{k}"] = max(vals)
-      elif k == "loss_tokens":
-        out["ppo/loss_tokens"] = sum(vals)
-      else:
-        out[f"ppo/{k}"] = float(np.mean(vals))
+    out = self._combine(per_step, passes=self.ppo.ppo_epochs)
+    if self.ppo.ppo_epochs > 1:
+      last = self._combine(per_step[-len(minibatches) :], passes=1)
+      out.update({f"ppo/last_epoch/{k.removeprefix('ppo/')}": v for k, v in last.items()})
+    out["ppo/optimizer_steps"] = float(len(per_step))
     rows = sum(mb.arrays["tokens"].shape[0] for mb in minibatches)
     cells = sum(mb.arrays["tokens"].size for mb in minibatches)
     real = sum(int((mb.arrays["segment_ids"] > 0).sum()) for mb in minibatches)
@@ -356,6 +366,19 @@ class Learner:
     out["ppo/tokens"] = float(real)
     out["ppo/padding_frac"] = 1.0 - real / max(cells, 1)
     out["ppo/sequences"] = float(sum(mb.num_sequences for mb in minibatches))
+    return out
+
+  @staticmethod
+  def _combine(per_step: Sequence[Mapping[str, Any]], *, passes: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k in per_step[0]:
+      vals = [float(m[k]) for m in per_step]
+      if k == "imp_weight_max":
+        out[f"ppo/{k}"] = max(vals)
+      elif k == "loss_tokens":
+        out["ppo/loss_tokens"] = sum(vals) / passes
+      else:
+        out[f"ppo/{k}"] = float(np.mean(vals))
     return out
 
   def _staleness_metrics(self, minibatches: Sequence[Minibatch]) -> dict[str, Any]:

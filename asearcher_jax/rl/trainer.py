@@ -303,6 +303,10 @@ class Trainer:
       metrics["engine/weight_updates_ms"] = float(s.get("last_update_ms", 0.0))
       metrics["engine/requests_aborted"] = float(s.get("requests_aborted", 0.0))
       metrics["engine/decode_tokens_per_s"] = float(s.get("decode_tokens_per_s", 0.0))
+      # Engine-thread seconds so far: admissions' prefills, weight updates (with their
+      # re-prefills under kv_on_update="recompute"), decode steps.
+      for k in ("prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens"):
+        metrics[f"engine/{k}"] = float(s.get(k, 0.0))
     metrics = {k: float(v) for k, v in metrics.items()}
     self.history.append(metrics)
     self.writer.write(self.learner.version, metrics)

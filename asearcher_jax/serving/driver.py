@@ -27,6 +27,14 @@ prefilling only the rest of its prompt at that offset, which gives the same toke
 as a full prefill. Parked slots are reclaimed least recently parked first, and forgotten on a
 weight update (their keys/values come from the old weights).
 
+In-flight updates without re-prefill (`DriverConfig.kv_on_update="keep"`, PipelineRL's and
+prime-rl's choice): the swap leaves every slot's keys/values -- in-flight and parked -- as the older
+weights computed them, and decoding goes on with the new weights attending to them. Each token's
+logprob is still exactly that of the distribution that sampled it (new weights over that cache),
+which is what the decoupled loss's importance weight pi_prox / pi_behav corrects for; its version
+stamps the weights that sampled it. What it saves is the re-prefill of every in-flight slot and the
+full prefill of every episode's next turn whose parked prefix "recompute" forgets.
+
 Callers use `await driver.generate(...)` from any event loop; thousands of requests queue for the
 slots. An exception fails the requests it touched, with the reason, and the loop keeps serving.
 """
@@ -59,6 +67,9 @@ class EngineError(RuntimeError):
   """The engine failed while serving this request (the driver itself keeps running)."""
 
 
+KV_ON_UPDATE = ("recompute", "keep")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DriverConfig:
   """Attributes:
@@ -71,13 +82,24 @@ class DriverConfig:
   prefix_reuse: keep a finished request's slot "parked" with its keys/values (prompt + tokens
     but the last) and admit a later request whose prompt starts with exactly that sequence (an
     agent's next turn) into it by prefilling only the new suffix. Parked slots are reclaimed
-    least recently used first when no free slot is left, and dropped on a weight update.
+    least recently used first when no free slot is left, and dropped on a weight update
+    (unless kv_on_update="keep").
+  kv_on_update: what a weight update does to keys/values computed by the old weights.
+    "recompute" (AReaL): re-prefill every in-flight slot under the new weights and forget the
+    parked prefixes, so every later token is sampled from exactly the new policy. "keep"
+    (PipelineRL, prime-rl): leave them; later tokens come from the new weights over the older
+    cache, with exact logprobs of that (the decoupled loss corrects for it), and no prefill.
   """
 
   request_timeout_s: float = 3600.0
   idle_wait_s: float = 0.05
   max_admit_per_step: int = 8
   prefix_reuse: bool = True
+  kv_on_update: str = "recompute"
+
+  def __post_init__(self):
+    if self.kv_on_update not in KV_ON_UPDATE:
+      raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {self.kv_on_update!r}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -219,8 +241,8 @@ class Driver:
     return True
 
   def update_params(self, params: nnx.State, version: int, timeout: float = 600.0) -> float:
-    """Swaps weights between two decode steps and re-prefills every in-flight slot; blocks until
-    done and returns the time it took in ms (swap + re-prefill)."""
+    """Swaps weights between two decode steps and (kv_on_update="recompute") re-prefills every
+    in-flight slot; blocks until done and returns the time it took in ms (swap + re-prefill)."""
     return self.submit_update(params, version).result(timeout)
 
   def submit_update(self, params: nnx.State, version: int) -> Future:
@@ -251,6 +273,11 @@ class Driver:
       # Slots computed per decode step (decode_rows: only enough for the live ones).
       "decode_rows_per_step": self.metrics["decode_rows"] / max(self.metrics["decode_steps"], 1),
       "last_update_ms": self.metrics["last_update_ms"],
+      # Weight updates: their total engine-thread time (swap + re-prefills) and the tokens
+      # re-prefilled ("recompute" only); not part of prefill_s / prefill_tokens.
+      "updates": self.metrics["updates"],
+      "update_s": self.metrics["update_s"],
+      "reprefill_tokens": self.metrics["reprefill_tokens"],
       "requests_done": self.metrics["done"],
       "requests_failed": self.metrics["failed"],
       "requests_aborted": self.metrics["aborted"],
@@ -297,20 +324,24 @@ class Driver:
       update, self._update = self._update, None
     if update is None:
       return
+    keep = self.cfg.kv_on_update == "keep"
     try:
-      self._drain()  # re-prefill must see the tokens of the step in flight (old weights)
+      if not keep:
+        self._drain()  # re-prefill must see the tokens of the step in flight (old weights)
       t0 = time.perf_counter()
       self._params = self.engine.versioned(update.params, update.version)
       self._version = update.version
-      self._parked.clear()  # their keys/values come from the old weights
-      for slot, req in enumerate(self._slots):
-        if req is not None:
-          self._reprefill(slot, req)
+      if not keep:
+        self._parked.clear()  # their keys/values come from the old weights
+        for slot, req in enumerate(self._slots):
+          if req is not None:
+            self._reprefill(slot, req)
     except Exception as e:
       update.done.set_exception(e)
       raise
     ms = (time.perf_counter() - t0) * 1e3
     self.metrics["last_update_ms"] = ms
+    self.metrics["update_s"] += ms / 1e3
     self.metrics["updates"] += 1
     update.done.set_result(ms)
 
@@ -324,6 +355,7 @@ class Driver:
     )
     prefix = prefix.replace(next_token=np.int32(req.tokens[-1]))
     self._state = self.engine.insert(prefix, self._state, slot)
+    self.metrics["reprefill_tokens"] += n
 
   def _reap_aborted(self) -> None:
     for slot, req in enumerate(self._slots):

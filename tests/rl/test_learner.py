@@ -231,3 +231,39 @@ def test_short_rows_pack_short_minibatches_and_train_the_same(model):
   assert short.prepare(grown)[0].arrays["tokens"].shape[1] == 32
   with pytest.raises(ValueError, match="short_row_lens"):
     PPOConfig(row_len=64, short_row_lens=(64,))
+
+
+def test_ppo_epochs_reuse_the_batch_clipped_around_the_pre_step_policy(model):
+  """ppo_epochs=2: two optimizer steps on the same minibatch, both clipped around the pi_prox of
+  the pre-step weights (the second one sees ratios != 1 and clips), exactly two `update`s with
+  the same proximal logprobs."""
+  _, graphdef, params = model
+  opt = steps.OptimizerConfig(learning_rate=3e-3)
+  twice = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=32, ppo_epochs=2),
+                  optimizer=opt)  # fmt: skip
+  assert not twice.ppo.prox_in_step  # epoch 2 needs the pre-step policy: a scoring pass
+  groups = _groups(model, noise=0.3)
+  pos0, neg0 = _gen_logprob(twice, groups, +1), _gen_logprob(twice, groups, -1)
+  m = twice.train_step(groups)
+  assert int(twice.state.step) == 2 and twice.version == 1 and m["ppo/optimizer_steps"] == 2
+  assert m["ppo/loss_tokens"] == 8 * (LEN - PROMPT)  # one pass's tokens, not two
+  # Epoch 1 starts at pi_prox (ratio 1, nothing clipped); epoch 2 starts one step away.
+  assert abs(m["ppo/last_epoch/ratio_mean"] - 1.0) > 1e-4 and m["ppo/last_epoch/approx_kl"] != 0
+  assert m["ppo/last_epoch/clip_frac"] > 0 and m["ppo/clip_frac"] == pytest.approx(
+    m["ppo/last_epoch/clip_frac"] / 2
+  )
+  pos1, neg1 = _gen_logprob(twice, groups, +1), _gen_logprob(twice, groups, -1)
+  assert pos1 > pos0 and neg1 < neg0
+  # Reference: one step, then a second step of a learner whose pi_prox is still the first's.
+  ref = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=32, fused_prox=False),
+                optimizer=opt)  # fmt: skip
+  mbs = ref.prepare(groups)
+  for mb in mbs:
+    ref.to_device(mb)
+    mb.device["prox_logprobs"] = ref.compute_prox_logprobs(mb.device)
+  ref.update(mbs)
+  ref.update(mbs)  # the same prox_logprobs: the pre-step policy
+  for a, b in zip(jax.tree.leaves(twice.params), jax.tree.leaves(ref.params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  with pytest.raises(ValueError, match="ppo_epochs"):
+    PPOConfig(ppo_epochs=0)
