@@ -142,20 +142,28 @@ def evaluate(
   }
 
 
-def rl_pool(files: WorldFiles, which: str, eval_questions: int | None) -> list[QAItem]:
+def rl_pool(
+  files: WorldFiles, which: str, eval_questions: int | None, kinds: tuple[str, ...] | None = None
+) -> list[QAItem]:
   """The RL question pool (see `quickstart`'s rl_questions): "train", or "heldout" = the test
   split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
-  training questions and the evaluation."""
+  training questions and the evaluation; only questions of `kinds` (QAItem.bucket) if given."""
   if which == "train":
-    return rl_commands.load_qa(files.train)
-  if which != "heldout":
+    items = rl_commands.load_qa(files.train)
+  elif which == "heldout":
+    items = rl_commands.load_qa(files.test)[eval_questions:] if eval_questions is not None else []
+    if not items:
+      raise AsearcherError(
+        "rl_questions='heldout' needs test questions beyond the evaluated ones: set "
+        "eval_questions below the test split's size, or rl_questions='train'"
+      )
+  else:
     raise AsearcherError(f"rl_questions must be 'heldout' or 'train', got {which!r}")
-  items = rl_commands.load_qa(files.test)[eval_questions:] if eval_questions is not None else []
-  if not items:
-    raise AsearcherError(
-      "rl_questions='heldout' needs test questions beyond the evaluated ones: set "
-      "eval_questions below the test split's size, or rl_questions='train'"
-    )
+  if kinds is not None:
+    found = sorted({it.bucket for it in items})
+    items = [it for it in items if it.bucket in kinds]
+    if not items:
+      raise AsearcherError(f"no RL question of kinds {kinds}; the pool has {found}")
   return items
 
 
@@ -178,6 +186,7 @@ def quickstart(
   ppo_epochs: int = 1,
   curriculum: bool = False,
   rl_questions: str = "heldout",
+  rl_kinds: tuple[str, ...] | None = None,
   kv_on_update: str = "recompute",
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
@@ -208,6 +217,8 @@ def quickstart(
       warm start's own SFT questions. Measured on the first (700-step) warm start (T = 1, 4
       samples, 64 questions): seen 1-hop questions score 19.5 % Avg@4, unseen ones 7.4 %, so on
       "train" much of the RL reward comes from recalling memorised answers, not from searching.
+    rl_kinds: only RL questions of these kinds (SynthWiki: "chain-1" .. "chain-4",
+      "comparison-2"); None = all.
     kv_on_update: what the engine does with in-flight keys/values when RL publishes new weights
       (`DriverConfig.kv_on_update`): "recompute" re-prefills them, "keep" continues over them.
     agent / engine: the agent's budgets and the in-process engine's slots and context.
@@ -227,7 +238,7 @@ def quickstart(
   with tracker.stage("world"):
     _, files = prepare_world(root / "world", world)
     check_tokenizer(files, warm)
-    rl_items = rl_pool(files, rl_questions, eval_questions)
+    rl_items = rl_pool(files, rl_questions, eval_questions, rl_kinds)
   addr_dir = root / "rl" / "retrieval_addrs"
   with RetrievalThread(files.index, addr_dir=addr_dir) as server:
     with tracker.stage("load"):

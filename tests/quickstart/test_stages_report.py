@@ -57,8 +57,8 @@ def test_metrics_curves_windows_and_plots(tmp_path):
 
 def test_rl_pool_heldout_excludes_training_and_evaluated_questions(tmp_path):
   def write(name: str, n: int) -> None:
-    rows = [{"id": f"{name}-{i}", "question": f"{name} question {i}?", "answer": str(i)}
-            for i in range(n)]  # fmt: skip
+    rows = [{"id": f"{name}-{i}", "question": f"{name} question {i}?", "answer": str(i),
+             "kind": "chain", "hops": 1 + i % 2} for i in range(n)]  # fmt: skip
     (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
   write("train", 5)
@@ -78,6 +78,11 @@ def test_rl_pool_heldout_excludes_training_and_evaluated_questions(tmp_path):
     pipeline.rl_pool(files, "heldout", None)
   with pytest.raises(AsearcherError, match="'heldout' or 'train'"):
     pipeline.rl_pool(files, "test", 3)
+  # Only some kinds of questions (here the 1-hop chains: test-4, test-6).
+  one_hop = pipeline.rl_pool(files, "heldout", 3, kinds=("chain-1",))
+  assert [i.qid for i in one_hop] == ["test-4", "test-6"]
+  with pytest.raises(AsearcherError, match=r"no RL question of kinds.*chain-2"):
+    pipeline.rl_pool(files, "heldout", 3, kinds=("chain-9",))
 
 
 def test_ship_copies_the_model_and_points_its_card_at_the_copy(tmp_path):
