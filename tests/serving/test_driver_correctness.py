@@ -213,27 +213,25 @@ async def test_top_k_and_top_p_restrict_the_draw(make_driver):
   assert abs(res.logprobs[0] - want) < 1e-4
 
 
+async def swap_after(driver, new_model, n_before: int) -> None:
+  """Swaps in new_model's weights as version 1 once the one live request has produced n_before
+  tokens (polls its slot: the engine thread pauses between steps while we hold no lock)."""
+  while True:
+    req = next((r for r in driver._slots if r is not None), None)
+    if req is not None and len(req.tokens) >= n_before:
+      break
+    await asyncio.sleep(0)
+  await asyncio.wrap_future(driver.submit_update(nnx.state(new_model), 1))
+
+
 async def test_weight_swap_mid_generation(make_driver):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   driver = make_driver(old, slots=2)
   prompt = PROMPTS[1]
   n_before, n_total = 6, 40
-  gate = asyncio.Event()
-
-  async def swap_when_ready():
-    # Wait until the request has produced n_before tokens, then swap (the engine thread pauses
-    # between steps while we hold no lock; poll the slot's progress).
-    while True:
-      req = next((r for r in driver._slots if r is not None), None)
-      if req is not None and len(req.tokens) >= n_before:
-        break
-      await asyncio.sleep(0)
-    await asyncio.wrap_future(driver.submit_update(nnx.state(new), 1))
-    gate.set()
-
   # A stop-free long request; the swap lands somewhere after n_before tokens.
   task = asyncio.create_task(driver.generate(prompt, GREEDY, n_total, stop_token_ids=NO_STOP))
-  await asyncio.wait_for(swap_when_ready(), 60)
+  await asyncio.wait_for(swap_after(driver, new, n_before), 60)
   res = await asyncio.wait_for(task, 60)
   k = res.versions.index(1)  # first token produced by the new weights
   assert k >= n_before and res.versions == [0] * k + [1] * (n_total - k)

@@ -22,6 +22,7 @@ from tests.serving.test_driver_correctness import (
   PROMPTS,
   greedy_reference,
   learner_logprobs,
+  swap_after,
 )
 from tests.serving.test_prefix_cache import TOOL, gen
 
@@ -49,21 +50,12 @@ def stale_cache_reference(tokenizer, old, new, prompt, tokens, k, n_total):
   return out
 
 
-async def _swap_mid_generation(driver, new, n_before):
-  while True:
-    req = next((r for r in driver._slots if r is not None), None)
-    if req is not None and len(req.tokens) >= n_before:
-      break
-    await asyncio.sleep(0)
-  await asyncio.wrap_future(driver.submit_update(nnx.state(new), 1))
-
-
 async def test_keep_continues_from_the_old_cache_without_reprefill(make_driver, tokenizer):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   driver = make_driver(old, slots=2, kv_on_update="keep")
   n_before, n_total = 6, 40
   task = asyncio.create_task(driver.generate(PROMPT, GREEDY, n_total, stop_token_ids=()))
-  await asyncio.wait_for(_swap_mid_generation(driver, new, n_before), 60)
+  await asyncio.wait_for(swap_after(driver, new, n_before), 60)
   res = await asyncio.wait_for(task, 60)
   k = res.versions.index(1)
   assert k >= n_before and res.versions == [0] * k + [1] * (n_total - k)
@@ -81,7 +73,7 @@ async def test_recompute_reprefills_in_flight_slots(make_driver):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   driver = make_driver(old, slots=2)  # kv_on_update="recompute"
   task = asyncio.create_task(driver.generate(PROMPT, GREEDY, 40, stop_token_ids=()))
-  await asyncio.wait_for(_swap_mid_generation(driver, new, 6), 60)
+  await asyncio.wait_for(swap_after(driver, new, 6), 60)
   res = await asyncio.wait_for(task, 60)
   k = res.versions.index(1)
   # ... whereas recompute rebuilt them: the new weights' own logprobs from the swap on.
@@ -98,7 +90,7 @@ async def test_keep_with_unchanged_weights_changes_nothing(make_driver):
   model = tiny_model(seed=7)
   driver = make_driver(model, slots=2, kv_on_update="keep")
   task = asyncio.create_task(driver.generate(PROMPT, GREEDY, 40, stop_token_ids=()))
-  await asyncio.wait_for(_swap_mid_generation(driver, model, 6), 60)
+  await asyncio.wait_for(swap_after(driver, model, 6), 60)
   res = await asyncio.wait_for(task, 60)
   assert 1 in res.versions and res.tokens == greedy_reference(model, PROMPT, 40)
   np.testing.assert_allclose(res.logprobs, learner_logprobs(model, PROMPT, res.tokens, 1.0),
