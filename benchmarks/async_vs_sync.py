@@ -50,7 +50,8 @@ slots, async mode re-prefilled 3x more prompt tokens (1,186 evictions in 10 step
 speedup was 1.97x instead of 2.75x. By default (`DriverConfig.kv_on_update="recompute"`, AReaL)
 every weight update re-prefills all in-flight slots and forgets the parked ones, so an episode's
 next turn after an update prefills its whole context again; `--kv-on-update keep` (PipelineRL)
-keeps both. Generation here is compute-heavy, and async mode can only win what sync mode leaves
+keeps both, and `--kv-on-update both` runs the async mode once with each, side by side (under
+"keep" in the JSON). Generation here is compute-heavy, and async mode can only win what sync mode leaves
 idle (tool waits, the long-tail barrier). Decode steps compute only the live
 slots (`EngineConfig.decode_rows`, 8 and 16 rows of the 48; ~8.5 rows per step on average here):
 that took the async run from 54 s to 44 s (train step 3.2 -> 2.6 s, since the learner shares the
@@ -148,7 +149,8 @@ class Workload:
   tool_latency: LogNormal = TOOL_LATENCY
   seed: int = 0
   prefix_reuse: bool = True
-  kv_on_update: str = "recompute"  # DriverConfig.kv_on_update; "keep" skips re-prefills
+  # DriverConfig.kv_on_update; "both": the async mode once with each, side by side.
+  kv_on_update: str = "recompute"
 
 
 @dataclasses.dataclass
@@ -193,7 +195,11 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
   engine = Engine.from_model(policy, tokenizer, cfg)
   driver = Driver(
     engine,
-    DriverConfig(request_timeout_s=600.0, prefix_reuse=w.prefix_reuse, kv_on_update=w.kv_on_update),
+    DriverConfig(
+      request_timeout_s=600.0,
+      prefix_reuse=w.prefix_reuse,
+      kv_on_update="recompute" if w.kv_on_update == "both" else w.kv_on_update,
+    ),
   )
   learner = Learner(
     graphdef,
@@ -233,7 +239,9 @@ def warm_up(shared: Shared, w: Workload) -> dict[str, float]:
 def reset(shared: Shared) -> None:
   """Both modes start from the same weights at version 0, in the learner and the engine."""
   shared.learner.restore(jax.tree.map(jnp.copy, shared.init_state), 0)
-  shared.driver.update_params(jax.tree.map(jnp.copy, shared.init_params), 0)
+  # recompute=True: whatever kv_on_update is, nothing cached under the previous mode's weights
+  # survives into the next mode.
+  shared.driver.update_params(jax.tree.map(jnp.copy, shared.init_params), 0, recompute=True)
 
 
 class OccupancySampler:
@@ -413,7 +421,7 @@ def parse(argv: list[str] | None) -> Workload:
   p.add_argument("--seed", type=int, default=d.seed)
   p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every LLM call")
   p.add_argument(
-    "--kv-on-update", default=d.kv_on_update, choices=KV_ON_UPDATE,
+    "--kv-on-update", default=d.kv_on_update, choices=(*KV_ON_UPDATE, "both"),
     help="what a weight update does to in-flight and parked keys/values (DriverConfig)",
   )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
@@ -449,6 +457,11 @@ def main(argv: list[str] | None = None) -> dict:
       print(f"sync  (eta=0): {sync}", flush=True)
       asyn = run_mode(shared, w, eta=w.eta, max_concurrent=w.async_concurrent)
       print(f"async (eta={w.eta}): {asyn}", flush=True)
+      keep = None
+      if w.kv_on_update == "both":  # the same async mode again, keeping the old keys/values
+        shared.driver.cfg = dataclasses.replace(shared.driver.cfg, kv_on_update="keep")
+        keep = run_mode(shared, w, eta=w.eta, max_concurrent=w.async_concurrent)
+        print(f"async (eta={w.eta}, kv_on_update=keep): {keep}", flush=True)
     finally:
       shared.driver.close()
   speedup = asyn["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9)
@@ -481,6 +494,19 @@ def main(argv: list[str] | None = None) -> dict:
     "async": asyn,
     "platform": jax.devices()[0].platform,
   }
+  if keep is not None:
+    result["keep"] = {
+      "speedup": round(keep["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9), 3),
+      "trainer_idle_async": keep["trainer_idle_frac"],
+      "steady_idle_async": keep["steady_idle_frac"],
+      "wall_s": keep["wall_s"],
+      "async": keep,
+    }
+    print(
+      f"kv_on_update=keep: speedup {result['keep']['speedup']:.2f}x, trainer idle "
+      f"{keep['trainer_idle_frac']} (steady {keep['steady_idle_frac']})",
+      flush=True,
+    )
   print(json.dumps(result), flush=True)
   return result
 

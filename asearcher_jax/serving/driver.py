@@ -134,6 +134,7 @@ class _Update:
   params: nnx.State
   version: int
   done: Future
+  recompute: bool  # re-prefill in-flight slots and forget parked ones (else keep them)
 
 
 class Driver:
@@ -240,18 +241,26 @@ class Driver:
     self._wake.set()
     return True
 
-  def update_params(self, params: nnx.State, version: int, timeout: float = 600.0) -> float:
+  def update_params(
+    self, params: nnx.State, version: int, timeout: float = 600.0, *, recompute: bool | None = None
+  ) -> float:
     """Swaps weights between two decode steps and (kv_on_update="recompute") re-prefills every
-    in-flight slot; blocks until done and returns the time it took in ms (swap + re-prefill)."""
-    return self.submit_update(params, version).result(timeout)
+    in-flight slot; blocks until done and returns the time it took in ms (swap + re-prefill).
+    recompute=True forces the recompute behaviour for this update whatever kv_on_update says
+    (a reset to unrelated weights must not continue over the old keys/values)."""
+    return self.submit_update(params, version, recompute=recompute).result(timeout)
 
-  def submit_update(self, params: nnx.State, version: int) -> Future:
+  def submit_update(
+    self, params: nnx.State, version: int, *, recompute: bool | None = None
+  ) -> Future:
     """Non-blocking form of update_params (a later update replaces a pending one)."""
+    if recompute is None:
+      recompute = self.cfg.kv_on_update == "recompute"
     done: Future = Future()
     with self._lock:
       if self._update is not None:
         self._update.done.cancel()
-      self._update = _Update(params=params, version=int(version), done=done)
+      self._update = _Update(params=params, version=int(version), done=done, recompute=recompute)
     self._wake.set()
     return done
 
@@ -324,7 +333,7 @@ class Driver:
       update, self._update = self._update, None
     if update is None:
       return
-    keep = self.cfg.kv_on_update == "keep"
+    keep = not update.recompute
     try:
       if not keep:
         self._drain()  # re-prefill must see the tokens of the step in flight (old weights)

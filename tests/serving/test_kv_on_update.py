@@ -118,6 +118,20 @@ async def test_keep_reuses_parked_prefixes_across_an_update(make_driver, same_we
     assert np.abs(np.asarray(res.logprobs) - fresh).max() > 1e-3
 
 
+async def test_a_forced_recompute_update_forgets_parked_prefixes_under_keep(make_driver):
+  """A reset to unrelated weights (update_params(recompute=True)) must not continue over the
+  old keys/values, even with kv_on_update="keep"."""
+  old, new = tiny_model(seed=1), tiny_model(seed=5)
+  driver = make_driver(old, slots=2, kv_on_update="keep")
+  first = await gen(driver, PROMPT, 6)
+  driver.update_params(nnx.state(new), version=0, recompute=True)
+  assert driver.stats()["slots_parked"] == 0
+  prompt2 = PROMPT + first.tokens + TOOL
+  res = await gen(driver, prompt2, 6)
+  assert driver.stats()["prefix_hits"] == 0
+  assert res.tokens == greedy_reference(new, prompt2, 6)
+
+
 def test_kv_on_update_is_validated():
   with pytest.raises(ValueError, match="kv_on_update"):
     DriverConfig(kv_on_update="discard")
