@@ -4,6 +4,9 @@
   expert  the scripted expert plays the real ASearcher agent against the real retrieval server on
           the train split, with configurable imperfection, writing token-exact trajectories;
   sft     `asearcher sft` on those trajectories (a from-scratch policy, loss on generated tokens);
+  hasty   (with `early_answer` > 0) the same expert, careful in every way but one: at each act turn
+          before its chain is resolved it answers with a guess with probability `early_answer`;
+          a short `asearcher sft` from the stage-1 model on its trajectories;
   eval    greedy accuracy and sampled Avg@k / Pass@k on held-out test questions, with the real
           engine and evaluation harness;
   card    the scores, world digest, data hash and timings are added to the model card, and with
@@ -56,6 +59,23 @@ WARM_START_OPTIMIZER = steps.OptimizerConfig(
   weight_decay=0.01,
   grad_clip=1.0,
 )
+# The "hasty" stage. ASearcher's RL starts from models that can search but stop too early, and its
+# headline effect is longer search. Stage 1 teaches the protocol and the copy skill from a mostly
+# careful expert; this stage fine-tunes that model briefly on an expert that makes one kind of
+# mistake only, answering before its chain is resolved. The result reads and copies like stage 1
+# but often answers without searching: one consistent behaviour, with a clear reward signal, for
+# RL to fix (measured: stage 1 alone left RL mostly sampling noise in copied names to remove).
+EARLY_ANSWER_SFT = SFTConfig(
+  steps=200, row_len=1024, rows_per_batch=8, eval_every=50, checkpoint_every=100, progress=False
+)
+EARLY_ANSWER_OPTIMIZER = steps.OptimizerConfig(
+  learning_rate=5e-4,
+  warmup_steps=10,
+  total_steps=200,
+  end_lr_ratio=0.2,
+  weight_decay=0.01,
+  grad_clip=1.0,
+)
 # Files of an exported model directory that the quickstart needs.
 _SHIPPED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -104,6 +124,9 @@ def warm_start(
   model: str = "synthwiki-2m",
   sft: SFTConfig = WARM_START_SFT,
   optimizer: steps.OptimizerConfig = WARM_START_OPTIMIZER,
+  early_answer: float = 0.5,
+  early_answer_sft: SFTConfig = EARLY_ANSWER_SFT,
+  early_answer_optimizer: steps.OptimizerConfig = EARLY_ANSWER_OPTIMIZER,
   eval_questions: int | None = 64,
   k: int = 4,
   temperature: float = 1.0,
@@ -120,6 +143,9 @@ def warm_start(
     imperfection: the expert's mistake level (`ExpertConfig.imperfect`), room for RL to improve.
     model: the from-scratch policy preset (vocab sized to the world tokenizer).
     sft / optimizer: SFT steps, batch shape and AdamW schedule.
+    early_answer: the hasty stage's probability of answering early per unresolved act turn (one
+      episode per train question, expert seed + 1); 0 skips the stage.
+    early_answer_sft / early_answer_optimizer: that stage's fine-tuning from the stage-1 model.
     eval_questions / k / temperature: held-out evaluation (the quickstart's settings).
     ship_to: copy the model directory and its card here (the quickstart's default is
       asearcher_jax/assets/checkpoints/synthwiki_sft).
@@ -128,9 +154,9 @@ def warm_start(
   """  # fmt: skip
   t0 = time.time()
   out = Path(out_dir)
-  tracker = StageTracker(
-    [("world", 3), ("expert", 40), ("sft", 1200), ("eval", 120), ("card", 2)], prefix="warm-start"
-  )
+  plan = [("world", 3), ("expert", 40), ("sft", 1200)]
+  plan += [("hasty", 300)] if early_answer > 0 else []
+  tracker = StageTracker([*plan, ("eval", 120), ("card", 2)], prefix="warm-start")
   with tracker.stage("world"):
     sw, files = prepare_world(out / "world", world)
   with tracker.stage("expert"):
@@ -146,6 +172,14 @@ def warm_start(
       name="SynthWiki warm start (asearcher warm-start)",
     )  # fmt: skip
   model_dir = out / "sft" / "model"
+  hasty = None
+  if early_answer > 0:
+    with tracker.stage("hasty"):
+      hasty = hasty_stage(
+        sw, files, out, model_dir, early_answer=early_answer, sft=early_answer_sft,
+        optimizer=early_answer_optimizer, seed=seed + 1,
+      )  # fmt: skip
+    model_dir = out / "hasty" / "sft" / "model"
   with tracker.stage("eval"):
     scores = evaluate_model_dir(
       model_dir, files, out / "eval", eval_questions=eval_questions, k=k,
@@ -159,6 +193,7 @@ def warm_start(
       "expert": {"imperfection": imperfection, "samples_per_question": samples_per_question,
                  **expert},
       "sft_summary": json.loads((out / "sft" / "sft_summary.json").read_text()),
+      "hasty": hasty,
       "greedy_em": scores["greedy"]["avg_em"],
       "sampled_avg_em": scores["sampled"]["avg_em"],
       "sampled_pass_em": scores["sampled"]["pass_em"],
@@ -167,12 +202,35 @@ def warm_start(
       "wall_s": round(time.time() - t0, 1),
     }  # fmt: skip
     (out / "warm_start.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
-    _write_card(out / "model_card.md", card, out / "sft" / "model_card.md")
+    sft_cards = [out / "sft" / "model_card.md", out / "hasty" / "sft" / "model_card.md"]
+    _write_card(out / "model_card.md", card, sft_cards[: 2 if hasty else 1])
     if ship_to:
       ship(model_dir, out, Path(ship_to))
   print(json.dumps({k: card[k] for k in ("greedy_em", "sampled_avg_em", "sampled_pass_em",
                                          "world_digest", "wall_s")}), flush=True)  # fmt: skip
   return 0
+
+
+def hasty_stage(
+  sw, files: WorldFiles, out: Path, init_dir: Path, *, early_answer: float, sft: SFTConfig,
+  optimizer: steps.OptimizerConfig, seed: int,
+) -> dict[str, Any]:  # fmt: skip
+  """Fine-tunes `init_dir` on an expert whose only mistake is answering early (see
+  EARLY_ANSWER_SFT); writes out/hasty/{expert_trajectories.jsonl, sft/}."""
+  from asearcher_jax.data.synthwiki_expert import ExpertConfig
+
+  data = out / "hasty" / "expert_trajectories.jsonl"
+  data.parent.mkdir(parents=True, exist_ok=True)
+  expert = expert_trajectories(
+    sw, files, data, expert=ExpertConfig(seed=seed, p_guess=early_answer), seed=seed
+  )
+  sft_commands.sft(
+    trajectories=str(data), out_dir=str(out / "hasty" / "sft"), model_dir=str(init_dir),
+    tokenizer_dir=str(files.tokenizer), config=sft, optimizer=optimizer, init_seed=seed,
+    name="SynthWiki warm start, hasty stage (asearcher warm-start)",
+  )  # fmt: skip
+  summary = json.loads((out / "hasty" / "sft" / "sft_summary.json").read_text())
+  return {"early_answer": early_answer, **expert, "sft_summary": summary}
 
 
 def ship(model_dir: Path, out: Path, dest: Path) -> None:
@@ -188,11 +246,23 @@ def ship(model_dir: Path, out: Path, dest: Path) -> None:
   card.write_text(card.read_text().replace(f'model_dir="{model_dir}"', f'model_dir="{dest}"'))
 
 
+def _hasty_lines(hasty: dict[str, Any] | None) -> list[str]:
+  if not hasty:
+    return []
+  return [
+    f"Hasty stage: then {hasty['sft_summary'].get('step', '?')} SFT steps from that model on an "
+    f"expert that answers with a guess with probability {hasty['early_answer']} at each act turn "
+    f"before its chain is resolved, and makes no other mistake ({int(hasty['trajectories'])} "
+    f"trajectories, mean reward {hasty['expert_mean_reward']:.3f}).",
+    "",
+  ]
+
+
 def _pct(x: float) -> str:
   return f"{100 * x:.1f}%"
 
 
-def _write_card(path: Path, card: dict[str, Any], sft_card: Path) -> None:
+def _write_card(path: Path, card: dict[str, Any], sft_cards: list[Path]) -> None:
   s = card["sft_summary"]
   lines = [
     "# SynthWiki warm start",
@@ -212,6 +282,7 @@ def _write_card(path: Path, card: dict[str, Any], sft_card: Path) -> None:
     f"episodes per train question ({int(card['expert']['trajectories'])} trajectories, mean "
     f"reward {card['expert']['expert_mean_reward']:.3f}).",
     "",
+    *_hasty_lines(card.get("hasty")),
     "## Held-out scores (test split, questions never seen in training)",
     "",
     f"| greedy EM | sampled Avg@{card['eval']['sampled']['k']} EM | sampled "
@@ -223,10 +294,11 @@ def _write_card(path: Path, card: dict[str, Any], sft_card: Path) -> None:
     "",
     f"Wall time of the whole command: {card['wall_s']:.0f} s on this machine (stages: "
     + ", ".join(f"{k} {v:.0f} s" for k, v in card["stages_s"].items())
-    + f"). SFT: {s.get('step', '?')} steps.",
+    + f"). SFT: {s.get('step', '?')} steps"
+    + (f" (this run resumed it at step {s['start_step']})." if s.get("start_step") else "."),
     "",
     "---",
     "",
-    sft_card.read_text() if sft_card.exists() else "",
+    *(c.read_text() + "\n" for c in sft_cards if c.exists()),
   ]
   path.write_text("\n".join(lines))

@@ -90,12 +90,16 @@ def expert_trajectories(
   questions: Sequence | None = None,
   samples_per_question: int = 1,
   imperfection: float = 0.15,
+  expert=None,
   agent_config=None,
   concurrency: int = 16,
   seed: int = 0,
 ) -> dict[str, float]:
   """Runs the scripted expert (real agent, real tools) over `questions` (default: the train
-  split) and writes token-exact trajectories as JSONL; returns counts and the expert's accuracy."""
+  split) and writes token-exact trajectories as JSONL; returns counts and the expert's accuracy.
+
+  `expert` (an `ExpertConfig`) sets each mistake's probability; None: the one-knob
+  `ExpertConfig.imperfect(imperfection)`."""
   from asearcher_jax.data.synthwiki_expert import (
     ExpertConfig,
     generate_expert_trajectories,
@@ -109,7 +113,7 @@ def expert_trajectories(
     trajs = asyncio.run(
       generate_expert_trajectories(
         sw.world, qs, tokenizer=tok, retrieval_address=server.address,
-        n=len(qs) * samples_per_question, expert=ExpertConfig.imperfect(imperfection),
+        n=len(qs) * samples_per_question, expert=expert or ExpertConfig.imperfect(imperfection),
         agent_config=agent_config, concurrency=concurrency, seed=seed,
       )
     )  # fmt: skip

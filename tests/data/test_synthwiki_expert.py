@@ -164,3 +164,25 @@ async def test_same_seed_same_episode(sw, tok, address):
     sw.world, qs, tokenizer=tok, retrieval_address=address, expert=cfg, seed=1
   )
   assert [t.to_json()["calls"] for t in a] != [t.to_json()["calls"] for t in c]
+
+
+async def test_a_hasty_expert_makes_only_early_answers(sw, tok, address):
+  """The warm start's hasty stage clones this expert: careful, except that at each act turn before
+  its chain is resolved it answers with a guess with probability p_guess. So on a 1-hop question
+  about half its episodes answer without searching (and are wrong), and every episode that
+  searched is right: RL then has one behaviour to fix, and fixing it means searching more."""
+  qs = [q for q in sw.questions if q.kind == "chain" and q.hops == 1 and not q.constraints]
+  assert len(qs) >= 20
+  trajs = await asyncio.wait_for(
+    generate_expert_trajectories(
+      sw.world, qs, tokenizer=tok, retrieval_address=address,
+      expert=ExpertConfig(seed=1, p_guess=0.5),
+    ),
+    60,
+  )  # fmt: skip
+  searched = [t for t in trajs if t.tools]
+  guessed = [t for t in trajs if not t.tools]
+  assert 0.25 < len(guessed) / len(trajs) < 0.75, (len(guessed), len(trajs))
+  assert all(t.finish_reason == "answer" and t.format_ok for t in trajs)
+  assert sum(t.score for t in searched) >= 0.9 * len(searched)  # no sloppy query, no misread
+  assert sum(t.score for t in guessed) <= 0.2 * len(guessed)

@@ -16,7 +16,11 @@ import pytest
 
 from asearcher_jax.data.synthwiki import TINY
 from asearcher_jax.quickstart import pipeline
-from asearcher_jax.quickstart.warm_start import WARM_START_OPTIMIZER, warm_start
+from asearcher_jax.quickstart.warm_start import (
+  EARLY_ANSWER_OPTIMIZER,
+  WARM_START_OPTIMIZER,
+  warm_start,
+)
 from asearcher_jax.rl.replay import CONSUMED_LOG
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.training.sft import SFTConfig
@@ -37,6 +41,11 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
     sft=SFTConfig(steps=4, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                   progress=False),
     optimizer=dataclasses.replace(WARM_START_OPTIMIZER, total_steps=4, warmup_steps=1),
+    early_answer=0.5,
+    early_answer_sft=SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2,
+                               checkpoint_every=2, progress=False),
+    early_answer_optimizer=dataclasses.replace(EARLY_ANSWER_OPTIMIZER, total_steps=2,
+                                               warmup_steps=1),
     eval_questions=2, k=2, ship_to=str(ship), engine=SMALL_ENGINE,
   ) == 0  # fmt: skip
   ws = tmp_path / "ws"
@@ -49,6 +58,16 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
   for name in ("config.json", "model.safetensors", "tokenizer.json", "model_card.md"):
     assert (ship / name).stat().st_size > 0, name
   assert "asearcher warm-start" in (ship / "model_card.md").read_text()
+  # The hasty stage fine-tuned the stage-1 model on an expert that answers early, and it is the
+  # model that was evaluated and shipped.
+  hasty = card["hasty"]
+  assert hasty["early_answer"] == 0.5 and hasty["sft_summary"]["step"] == 2
+  assert hasty["expert_mean_reward"] < card["expert"]["expert_mean_reward"]
+  assert hasty["sft_summary"]["init"].endswith(str(ws / "sft" / "model"))
+  shipped = (ship / "model.safetensors").read_bytes()
+  assert shipped == (ws / "hasty" / "sft" / "model" / "model.safetensors").read_bytes()
+  assert shipped != (ws / "sft" / "model" / "model.safetensors").read_bytes()
+  assert "Hasty stage" in (ship / "model_card.md").read_text()
 
 
 @pytest.mark.slow
