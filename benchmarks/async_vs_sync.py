@@ -8,11 +8,12 @@ bucket compiled once up front, weights reset to the same init before each mode) 
 real `Trainer`, `RolloutController`, `StalenessManager`, in-memory `ReplayQueue` (hard eta bound
 on) and in-process weight sync; no checkpoints in either mode. Synchronous mode is the same code
 path with eta = 0 and max_concurrent = B: exactly B groups per version, the trainer waits for
-all of them. Asynchronous mode: eta = 4, max_concurrent = 12 groups (48 episodes) in flight.
+all of them. Asynchronous mode: eta = 4, max_concurrent = 20 groups (80 episodes), the most the
+staleness rule ever admits ((eta + 1) x B), so that rule alone bounds what is in flight.
 
 Workload (chosen to resemble ASearcher's training rollouts, scaled to a CPU):
   policy    a random 2-layer model (hidden 32) over a byte-level vocabulary (260 ids), sampled at
-            temperature 1 by the in-process engine (continuous batching, 48 slots, 2048-token
+            temperature 1 by the in-process engine (continuous batching, 80 slots, 2048-token
             context); every sampled token is the engine's.
   agent     the real `AsearcherAgent` loop (act/read turns, stops, tool-result rendering, context
             policy) with a shortened prompt (~230 byte tokens instead of ~1.1k, so that learner
@@ -44,8 +45,8 @@ async mode generation and training steps slow each other down -- unlike AReaL, w
 and training run on separate GPUs. An LLM call that continues its episode's previous call is
 admitted into that call's parked slot and prefills only the new suffix (driver prefix reuse,
 `--no-prefix-reuse` turns it off; hits, reused and prefilled tokens are reported per mode under
-"prefix"). The engine has one slot per episode that async mode keeps in flight (12 groups x 4
-= 48), so an episode's parked slot is not reclaimed while it waits for a tool: measured with 16
+"prefix"). The engine has one slot per episode that async mode keeps in flight (20 groups x 4
+= 80), so an episode's parked slot is not reclaimed while it waits for a tool: measured with 16
 slots, async mode re-prefilled 3x more prompt tokens (1,186 evictions in 10 steps) and the
 speedup was 1.97x instead of 2.75x. By default (`DriverConfig.kv_on_update="recompute"`, AReaL)
 every weight update re-prefills all in-flight slots and forgets the parked ones, so an episode's
@@ -53,7 +54,7 @@ next turn after an update prefills its whole context again; `--kv-on-update keep
 keeps both, and `--kv-on-update both` runs the async mode once with each, side by side (under
 "keep" in the JSON). Generation here is compute-heavy, and async mode can only win what sync mode leaves
 idle (tool waits, the long-tail barrier). Decode steps compute only the live
-slots (`EngineConfig.decode_rows`, 8 and 16 rows of the 48; ~8.5 rows per step on average here):
+slots (`EngineConfig.decode_rows`, 8, 16 and 32 rows of the 80; ~8.5 rows per step on average here):
 that took the async run from 54 s to 44 s (train step 3.2 -> 2.6 s, since the learner shares the
 cores). The per-mode "engine" entry gives prefill, weight-update and decode seconds. The last
 line is one JSON object.
@@ -137,9 +138,9 @@ class Workload:
   batch_groups: int = 4
   group_size: int = 4
   eta: int = 4
-  async_concurrent: int = 12
-  slots: int | None = None  # None: one per episode in flight in async mode (12 x 4 = 48)
-  decode_rows: tuple[int, ...] = (8, 16)  # EngineConfig.decode_rows; () decodes every slot
+  async_concurrent: int = 20  # (eta + 1) x batch_groups: 12 gave 3.21x / idle 0.40 (keep)
+  slots: int | None = None  # None: one per episode in flight in async mode (20 x 4 = 80)
+  decode_rows: tuple[int, ...] = (8, 16, 32)  # EngineConfig.decode_rows; () decodes every slot
   prefill_buckets: tuple[int, ...] = (512, 1024)  # EngineConfig.prefill_buckets (+ 2048)
   minibatches: int = 4
   hidden: int = 32
