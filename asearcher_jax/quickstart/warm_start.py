@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax.agent import AsearcherAgentConfig
-from asearcher_jax.data.synthwiki import SynthWikiConfig
+from asearcher_jax.data.synthwiki import SynthWiki, SynthWikiConfig
 from asearcher_jax.model import steps
 from asearcher_jax.quickstart.pipeline import (
   QUICKSTART_AGENT,
@@ -202,8 +202,9 @@ def warm_start(
       "wall_s": round(time.time() - t0, 1),
     }  # fmt: skip
     (out / "warm_start.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
-    sft_cards = [out / "sft" / "model_card.md", out / "hasty" / "sft" / "model_card.md"]
-    _write_card(out / "model_card.md", card, sft_cards[: 2 if hasty else 1])
+    sft_cards = [out / "sft" / "model_card.md"]
+    sft_cards += [out / "hasty" / "sft" / "model_card.md"] if hasty else []
+    _write_card(out / "model_card.md", card, sft_cards)
     if ship_to:
       ship(model_dir, out, Path(ship_to))
   print(json.dumps({k: card[k] for k in ("greedy_em", "sampled_avg_em", "sampled_pass_em",
@@ -212,7 +213,7 @@ def warm_start(
 
 
 def hasty_stage(
-  sw, files: WorldFiles, out: Path, init_dir: Path, *, early_answer: float, sft: SFTConfig,
+  sw: SynthWiki, files: WorldFiles, out: Path, init_dir: Path, *, early_answer: float, sft: SFTConfig,
   optimizer: steps.OptimizerConfig, seed: int,
 ) -> dict[str, Any]:  # fmt: skip
   """Fine-tunes `init_dir` on an expert whose only mistake is answering early (see

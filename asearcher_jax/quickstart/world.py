@@ -12,11 +12,15 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asearcher_jax.data.synthwiki import SynthWiki, SynthWikiConfig, build_synthwiki
 from asearcher_jax.data.synthwiki_tokenizer import build_world_tokenizer, save_world_tokenizer
 from asearcher_jax.tools.retrieval.index import build_index_dir, load_index
 from asearcher_jax.tools.retrieval.server import RetrievalServer, RetrievalServerConfig
+
+if TYPE_CHECKING:
+  from asearcher_jax.data.synthwiki_expert import ExpertConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,7 @@ def expert_trajectories(
   questions: Sequence | None = None,
   samples_per_question: int = 1,
   imperfection: float = 0.15,
-  expert=None,
+  expert: ExpertConfig | None = None,
   agent_config=None,
   concurrency: int = 16,
   seed: int = 0,

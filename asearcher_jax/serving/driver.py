@@ -260,6 +260,9 @@ class Driver:
     with self._lock:
       if self._update is not None:
         self._update.done.cancel()
+        # The replaced update's weights never ran, but a recompute it asked for still must: the
+        # cache may hold keys/values of weights unrelated to the new ones (a reset).
+        recompute = recompute or self._update.recompute
       self._update = _Update(params=params, version=int(version), done=done, recompute=recompute)
     self._wake.set()
     return done

@@ -132,6 +132,23 @@ async def test_a_forced_recompute_update_forgets_parked_prefixes_under_keep(make
   assert res.tokens == greedy_reference(new, prompt2, 6)
 
 
+async def test_an_update_that_replaces_a_pending_forced_recompute_still_recomputes(make_driver):
+  old, new = tiny_model(seed=1), tiny_model(seed=5)
+  driver = make_driver(old, slots=2, kv_on_update="keep")
+  first = await gen(driver, PROMPT, 6)
+  assert driver.stats()["slots_parked"] == 1
+  driver._apply_update = lambda: None  # the engine thread takes no update until both are queued
+  forced = driver.submit_update(nnx.state(new), 0, recompute=True)
+  later = driver.submit_update(nnx.state(new), 1)  # kv_on_update="keep" on its own
+  del driver._apply_update
+  await asyncio.wait_for(asyncio.wrap_future(later), 60)
+  assert forced.cancelled() and driver.stats()["slots_parked"] == 0
+  prompt2 = PROMPT + first.tokens + TOOL
+  res = await gen(driver, prompt2, 6)
+  assert driver.stats()["prefix_hits"] == 0
+  assert res.tokens == greedy_reference(new, prompt2, 6)
+
+
 def test_kv_on_update_is_validated():
   with pytest.raises(ValueError, match="kv_on_update"):
     DriverConfig(kv_on_update="discard")
