@@ -58,6 +58,17 @@ slots (`EngineConfig.decode_rows`, 8, 16 and 32 rows of the 80; ~8.5 rows per st
 that took the async run from 54 s to 44 s (train step 3.2 -> 2.6 s, since the learner shares the
 cores). The per-mode "engine" entry gives prefill, weight-update and decode seconds. The last
 line is one JSON object.
+
+`--engine process` runs async mode's engine as a separate program, the pod layout: the real
+`serve-model` in a child process (OpenAI facade on loopback, its own XLA runtime and GIL), the
+agents calling it over HTTP, each new version written to a weights directory that the server
+polls (`serve(weights_dir=...)`); sync mode stays in process (colocated, like sync AReaL).
+`--engine-cpus 0-7` pins the server to those cores and the trainer process to the rest (AReaL's
+disjoint inference/training devices). On this 2-core machine it does not pay: 20 steps, hidden
+32, recompute, measured 2026-11-24 (async only): in-process thread 76.9 s, idle 0.29; process
+sharing both cores 110.0 s, idle 0.40; process pinned 1 + 1 cores 130.9 s, idle 0.44 (HTTP and
+JSON per LLM call, a second GIL, and a one-core engine). It is there for machines with cores to
+split.
 """
 
 from __future__ import annotations
@@ -66,11 +77,14 @@ import argparse
 import dataclasses
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +104,9 @@ from asearcher_jax.rl.replay import Group, ReplayConfig, ReplayQueue
 from asearcher_jax.rl.rollout import QAItem, RolloutConfig, RolloutController
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
-from asearcher_jax.rl.weight_sync import InProcessWeightSync
+from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, InProcessWeightSync
+from asearcher_jax.serving import commands as serving_commands
+from asearcher_jax.serving.client import RemoteClientConfig, RemoteGenerationClient, read_address
 from asearcher_jax.serving.driver import KV_ON_UPDATE, Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.types import SamplingParams
@@ -152,6 +168,11 @@ class Workload:
   prefix_reuse: bool = True
   # DriverConfig.kv_on_update; "both": the async mode once with each, side by side.
   kv_on_update: str = "recompute"
+  # Where async mode generates: "thread" (the in-process driver, as `asearcher train`) or
+  # "process" (`serve-model` in a child process over loopback HTTP, new weights through a
+  # versioned directory: the pod layout). Sync mode always runs in process (colocated).
+  engine: str = "thread"
+  engine_cpus: tuple[int, ...] = ()  # "process": the cores the engine gets; the trainer the rest
 
 
 @dataclasses.dataclass
@@ -159,11 +180,60 @@ class Shared:
   """Objects both modes use: compiled once, state reset before each mode."""
 
   tokenizer: Tokenizer
+  graphdef: nnx.GraphDef
   engine: Engine
   driver: Driver
   learner: Learner
   init_state: steps.TrainState
   init_params: nnx.State
+
+
+class EngineServer:
+  """The engine as a separate program (AReaL's disaggregated layout, on one host): a child
+  process serving the policy over HTTP on loopback, fed new weights through a versioned
+  directory. cpus: the cores it may use (the trainer process gets the others); None: shared."""
+
+  def __init__(self, w: Workload, tmp: Path, cpus: set[int] | None) -> None:
+    self.weights_dir = tmp / "weights"
+    self.address_file = tmp / "engine.json"
+    self.cpus = cpus
+    every = set(range(os.cpu_count() or 1))
+    self.trainer_cpus = (every - cpus) or every if cpus else None
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: its own XLA runtime
+    self.process = ctx.Process(
+      target=serving_commands.serve, name="engine-server", daemon=True,
+      kwargs=dict(
+        # the same random init as the learner: same config, same seed
+        model=model_config(w), tokenizer_dir=str(tmp / "tok"), seed=w.seed,
+        engine=engine_config(w), driver=driver_config(w), address_file=str(self.address_file),
+        weights_dir=str(self.weights_dir), weights_poll_s=0.01, warmup_modes=("sample",),
+        cpus=tuple(sorted(cpus or ())),
+      ),
+    )  # fmt: skip
+    self.process.start()
+
+  def wait_ready(self, timeout: float = 600.0) -> str:
+    """Waits for the address file (written after the engine has compiled); the base URL."""
+    deadline = time.monotonic() + timeout
+    while not self.address_file.exists():
+      if not self.process.is_alive():
+        raise RuntimeError(f"engine server exited with code {self.process.exitcode}")
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"engine server not ready after {timeout:g} s")
+      time.sleep(0.2)
+    return read_address(self.address_file)
+
+  def stats(self) -> dict[str, float]:
+    """The served driver's stats (its /health)."""
+    with urllib.request.urlopen(f"{read_address(self.address_file)}/health", timeout=10) as r:
+      return json.loads(r.read())["driver"]
+
+  def stop(self) -> None:
+    if self.process.is_alive():
+      self.process.terminate()  # SIGTERM: serve-model shuts down cleanly
+      self.process.join(60)
+    if self.process.is_alive():
+      self.process.kill()
 
 
 def model_config(w: Workload) -> ModelConfig:
@@ -182,26 +252,29 @@ def row_buckets(w: Workload) -> tuple[int, ...]:
   return (*warm, 2 * warm[-1])  # the last one: never expected, so not compiled in advance
 
 
-def build_shared(w: Workload, tok_dir: Path) -> Shared:
-  tokenizer = Tokenizer.from_dir(str(write_byte_tokenizer(tok_dir)))
-  policy = transformer.Transformer(model_config(w), rngs=nnx.Rngs(w.seed))
-  graphdef, params = nnx.split(policy)
-  slots = w.slots or w.async_concurrent * w.group_size
-  cfg = EngineConfig(
-    max_slots=slots,
+def engine_config(w: Workload) -> EngineConfig:
+  return EngineConfig(
+    max_slots=w.slots or w.async_concurrent * w.group_size,
     max_seq_len=MAX_SEQ,
     prefill_buckets=w.prefill_buckets,
     decode_rows=w.decode_rows,
   )
-  engine = Engine.from_model(policy, tokenizer, cfg)
-  driver = Driver(
-    engine,
-    DriverConfig(
-      request_timeout_s=600.0,
-      prefix_reuse=w.prefix_reuse,
-      kv_on_update="recompute" if w.kv_on_update == "both" else w.kv_on_update,
-    ),
+
+
+def driver_config(w: Workload) -> DriverConfig:
+  return DriverConfig(
+    request_timeout_s=600.0,
+    prefix_reuse=w.prefix_reuse,
+    kv_on_update="recompute" if w.kv_on_update == "both" else w.kv_on_update,
   )
+
+
+def build_shared(w: Workload, tok_dir: Path) -> Shared:
+  tokenizer = Tokenizer.from_dir(str(write_byte_tokenizer(tok_dir)))
+  policy = transformer.Transformer(model_config(w), rngs=nnx.Rngs(w.seed))
+  graphdef, params = nnx.split(policy)
+  engine = Engine.from_model(policy, tokenizer, engine_config(w))
+  driver = Driver(engine, driver_config(w))
   learner = Learner(
     graphdef,
     jax.tree.map(jnp.copy, params),  # the learner donates; the engine keeps its own
@@ -209,7 +282,7 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
     optimizer=steps.OptimizerConfig(learning_rate=1e-3, weight_decay=0.0),
   )
   return Shared(
-    tokenizer=tokenizer, engine=engine, driver=driver, learner=learner,
+    tokenizer=tokenizer, graphdef=graphdef, engine=engine, driver=driver, learner=learner,
     init_state=jax.tree.map(jnp.copy, learner.state), init_params=jax.tree.map(jnp.copy, params),
   )  # fmt: skip
 
@@ -248,15 +321,15 @@ def reset(shared: Shared) -> None:
 class OccupancySampler:
   """Mean engine slot occupancy over a run, sampled on its own thread."""
 
-  def __init__(self, driver: Driver, every_s: float = 0.02) -> None:
-    self.driver, self.every_s = driver, every_s
+  def __init__(self, stats: Callable[[], dict[str, float]], every_s: float = 0.02) -> None:
+    self.stats, self.every_s = stats, every_s
     self.samples: list[float] = []
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="occupancy", daemon=True)
 
   def _run(self) -> None:
     while not self._stop.wait(self.every_s):
-      self.samples.append(float(self.driver.stats()["slot_occupancy"]))
+      self.samples.append(float(self.stats()["slot_occupancy"]))
 
   def __enter__(self) -> OccupancySampler:
     self._thread.start()
@@ -271,9 +344,24 @@ class OccupancySampler:
     return float(np.mean(self.samples)) if self.samples else 0.0
 
 
-def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> dict:
-  """Trains `w.steps` steps in one mode; returns its figures."""
+def run_mode(
+  shared: Shared,
+  w: Workload,
+  *,
+  eta: int,
+  max_concurrent: int,
+  server: EngineServer | None = None,
+) -> dict:
+  """Trains `w.steps` steps in one mode; returns its figures. server: generate on that engine
+  process (over HTTP, weights through its directory) instead of the in-process driver."""
   reset(shared)
+  if server is None:
+    gen_client, engine_stats = shared.driver, shared.driver.stats
+  else:
+    gen_client = RemoteGenerationClient(
+      server.wait_ready(), config=RemoteClientConfig(timeout_s=600.0, retries=0)
+    )
+    engine_stats = server.stats
   staleness = StalenessManager(
     StalenessConfig(batch_groups=w.batch_groups, max_staleness=eta, max_concurrent=max_concurrent)
   )
@@ -294,7 +382,7 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
     k = rng.draw_int(w.k_tools)
     episodes.append(k)
     client = SteeringClient(
-      shared.driver,
+      gen_client,
       shared.tokenizer,
       k=k,
       rng=rng,
@@ -314,26 +402,34 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
   rollout = RolloutController(
     config=RolloutConfig(group_size=w.group_size, seed=w.seed, occupancy_sample_s=0),
     items=items, agent_factory=agent_factory, staleness=staleness, replay=replay,
-    scorer=smoke_scorer, engine_stats=shared.driver.stats,
+    scorer=smoke_scorer, engine_stats=engine_stats,
   )  # fmt: skip
+  if server is not None:
+    rollout.add_closer(gen_client.close)  # after every episode is cancelled
+  if server is None:
+    weight_sync = InProcessWeightSync(shared.driver, staleness)
+  else:
+    weight_sync = DirectoryWeightPublisher(server.weights_dir, shared.graphdef, staleness)
   trainer = Trainer(
     config=TrainerConfig(
       train_steps=w.steps, batch_groups=w.batch_groups, checkpoint_every=0, batch_timeout_s=600
     ),
     learner=shared.learner, replay=replay, staleness=staleness,
-    weight_sync=InProcessWeightSync(shared.driver, staleness), rollout=rollout,
-    engine_stats=shared.driver.stats,
+    weight_sync=weight_sync, rollout=rollout, engine_stats=engine_stats,
   )  # fmt: skip
-  stats0 = shared.driver.stats()
+  stats0 = engine_stats()
   tokens0 = float(stats0["tokens_generated"])
-  steps0, rows0 = shared.driver.metrics["decode_steps"], shared.driver.metrics["decode_rows"]
+  cpus_before = os.sched_getaffinity(0)
   try:
-    with OccupancySampler(shared.driver) as occ:
+    with OccupancySampler(engine_stats) as occ:
       rollout.start()
+      if server is not None and server.trainer_cpus:
+        serving_commands.pin_cpus(server.trainer_cpus)
       t0 = time.perf_counter()
       trainer.run()
       wall = time.perf_counter() - t0
   finally:
+    serving_commands.pin_cpus(cpus_before)
     rollout.stop()
     replay.close()
   h = trainer.history
@@ -349,9 +445,19 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
   steady = sum(step_s[1:])
   steady_idle = sum(m["timing/wait_batch_s"] for m in h[1:])
   ro = rollout.metrics(reset=False)
-  end = shared.driver.stats()
-  steps_n = shared.driver.metrics["decode_steps"] - steps0
-  rows_n = shared.driver.metrics["decode_rows"] - rows0
+  end = engine_stats()
+  served = None
+  if server is not None:  # how long the served engine takes to run the last published version
+    t1, deadline = time.perf_counter(), time.monotonic() + 120
+    while engine_stats()["version"] != shared.learner.version and time.monotonic() < deadline:
+      time.sleep(0.01)
+    served = {
+      "version": int(engine_stats()["version"]),
+      "lag_s": round(time.perf_counter() - t1, 2),
+    }
+  steps_n = end["decode_steps"] - stats0["decode_steps"]
+  rows_n = (end["decode_rows_per_step"] * end["decode_steps"]
+            - stats0["decode_rows_per_step"] * stats0["decode_steps"])  # fmt: skip
   return {
     "steps": len(h),
     "wall_s": round(wall, 2),
@@ -363,9 +469,7 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
     "train_s_mean": round(float(np.mean([m["timing/train_s"] for m in h])), 3),
     "sync_s_mean": round(float(np.mean([m["timing/sync_s"] for m in h])), 3),
     "occupancy": round(occ.mean, 4),
-    "generated_tokens_per_s": round(
-      (float(shared.driver.stats()["tokens_generated"]) - tokens0) / wall, 1
-    ),
+    "generated_tokens_per_s": round((float(end["tokens_generated"]) - tokens0) / wall, 1),
     "staleness_max": int(max(m.get("staleness/token_max", 0.0) for m in h)),
     "staleness_head_max": int(max(m.get("staleness/head_max", 0.0) for m in h)),
     "episodes": len(episodes),
@@ -385,6 +489,10 @@ def run_mode(shared: Shared, w: Workload, *, eta: int, max_concurrent: int) -> d
     # where EngineConfig.decode_rows let a step skip idle slots.
     "engine": {
       "prefill_s": round(end["prefill_s"] - stats0["prefill_s"], 2),
+      "updates": int(end["updates"] - stats0["updates"]),
+      # --engine process: the version the server ran once it caught up, and how long after the
+      # last step that took (loading from the weights directory, swap, re-prefill).
+      "served": served,
       "update_s": round(end["update_s"] - stats0["update_s"], 2),
       "reprefill_tokens": int(end["reprefill_tokens"] - stats0["reprefill_tokens"]),
       "decode_s": round(end["decode_s"] - stats0["decode_s"], 2),
@@ -425,8 +533,21 @@ def parse(argv: list[str] | None) -> Workload:
     "--kv-on-update", default=d.kv_on_update, choices=(*KV_ON_UPDATE, "both"),
     help="what a weight update does to in-flight and parked keys/values (DriverConfig)",
   )  # fmt: skip
+  p.add_argument(
+    "--engine", default=d.engine, choices=("thread", "process"),
+    help="async mode's engine: in-process thread, or a serve-model child process",
+  )  # fmt: skip
+  p.add_argument(
+    "--engine-cpus", default="",
+    help="with --engine process: cores for the engine, e.g. '0-7' or '0,1' (the trainer gets the "
+    "rest); '' = all cores shared",
+  )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   a = p.parse_args(argv)
+  if a.engine == "process" and a.kv_on_update == "both":
+    p.error("--kv-on-update both needs --engine thread")
+  if a.engine_cpus and a.engine != "process":
+    p.error("--engine-cpus needs --engine process")
   if a.verbose:
     handler = logging.StreamHandler(sys.stdout)
     for name in ("asearcher_jax.rl.trainer", __name__):
@@ -441,8 +562,18 @@ def parse(argv: list[str] | None) -> Workload:
     hidden=a.hidden, layers=a.layers,
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
-    prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update,
+    prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update, engine=a.engine,
+    engine_cpus=parse_cpus(a.engine_cpus),
   )  # fmt: skip
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+  """'0-3,6' -> (0, 1, 2, 3, 6)."""
+  cpus: set[int] = set()
+  for part in filter(None, (x.strip() for x in text.split(","))):
+    lo, _, hi = part.partition("-")
+    cpus.update(range(int(lo), int(hi or lo) + 1))
+  return tuple(sorted(cpus))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -451,12 +582,17 @@ def main(argv: list[str] | None = None) -> dict:
   print(f"workload: {w}", flush=True)
   with tempfile.TemporaryDirectory() as tmp:
     shared = build_shared(w, Path(tmp) / "tok")
+    server = None
+    if w.engine == "process":  # compiles in the child while this process warms up
+      server = EngineServer(w, Path(tmp), set(w.engine_cpus) or None)
     try:
       warm = warm_up(shared, w)
       print(f"warm-up: {warm}", flush=True)
+      if server is not None:
+        print(f"engine process: {server.wait_ready()}, cpus {w.engine_cpus or 'all'}", flush=True)
       sync = run_mode(shared, w, eta=0, max_concurrent=w.batch_groups)
       print(f"sync  (eta=0): {sync}", flush=True)
-      asyn = run_mode(shared, w, eta=w.eta, max_concurrent=w.async_concurrent)
+      asyn = run_mode(shared, w, eta=w.eta, max_concurrent=w.async_concurrent, server=server)
       print(f"async (eta={w.eta}): {asyn}", flush=True)
       keep = None
       if w.kv_on_update == "both":  # the same async mode again, keeping the old keys/values
@@ -464,6 +600,8 @@ def main(argv: list[str] | None = None) -> dict:
         keep = run_mode(shared, w, eta=w.eta, max_concurrent=w.async_concurrent)
         print(f"async (eta={w.eta}, kv_on_update=keep): {keep}", flush=True)
     finally:
+      if server is not None:
+        server.stop()
       shared.driver.close()
   speedup = asyn["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9)
   steady = (
@@ -491,6 +629,8 @@ def main(argv: list[str] | None = None) -> dict:
     "steps": w.steps,
     "eta": w.eta,
     "kv_on_update": w.kv_on_update,
+    "engine": w.engine,
+    "engine_cpus": list(w.engine_cpus),
     "sync": sync,
     "async": asyn,
     "platform": jax.devices()[0].platform,

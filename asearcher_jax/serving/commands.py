@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from flax import nnx
@@ -21,6 +22,7 @@ from flax import nnx
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model import hf_io, presets, transformer
 from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.rl.weight_sync import DirectoryWeightWatcher
 from asearcher_jax.serving.driver import Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
@@ -50,6 +52,17 @@ def build_policy(
   return policy, tokenizer, what
 
 
+def pin_cpus(cpus: Iterable[int]) -> None:
+  """Restricts every thread of this process (XLA's pools included) to `cpus` (Linux). Threads
+  started later inherit it from the thread that starts them."""
+  allowed = set(cpus)
+  if not allowed:
+    raise ValueError("pin_cpus needs at least one core")
+  for tid in os.listdir("/proc/self/task"):
+    with contextlib.suppress(OSError):  # a thread that just exited
+      os.sched_setaffinity(int(tid), allowed)
+
+
 def write_address(path: Path, addresses: dict[str, str]) -> None:
   """Atomically writes `{"http": "ip:port", "grpc": "ip:port"?, "pid": ...}` to `path`."""
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,6 +87,10 @@ def serve(
   max_body_bytes: int = 8 << 20,
   serve_seconds: float | None = None,
   seed: int = 0,
+  weights_dir: str | None = None,
+  weights_poll_s: float = 1.0,
+  warmup_modes: tuple[str, ...] = (),
+  cpus: tuple[int, ...] = (),
 ) -> int:
   """Serves the policy until SIGINT/SIGTERM (or for `serve_seconds`); returns the exit code.
 
@@ -92,7 +109,16 @@ def serve(
     max_body_bytes: largest HTTP request body.
     serve_seconds: stop after this long (smoke runs and tests); None: until a signal.
     seed: init seed of the random policy.
+    weights_dir: a trainer's `DirectoryWeightPublisher` root: every newer version published
+      there is loaded and swapped in between decode steps (disaggregated RL: the trainer and
+      this server are separate programs); None: the weights never change.
+    weights_poll_s: how often to look for a newer version in weights_dir.
+    warmup_modes: sampling modes ("greedy", "sample", "truncate") to compile every engine shape
+      for before the address is announced, so no request pays a compile; (): compile on demand.
+    cpus: the cores this server may use (a trainer on the same host gets the others); (): all.
   """
+  if cpus:
+    pin_cpus(cpus)
   policy, tokenizer, what = build_policy(model_dir, model, tokenizer_dir, seed)
   eng = Engine.from_model(policy, tokenizer, engine)
   api_config = OpenAIServerConfig(
@@ -100,7 +126,12 @@ def serve(
     max_body_bytes=max_body_bytes,
   )  # fmt: skip
   log.info("serving %s: %d slots x %d tokens", what, engine.max_slots, engine.max_seq_len)
-  asyncio.run(_serve(eng, driver, api_config, grpc_port, address_file, serve_seconds))
+  if warmup_modes:
+    log.info("compiled the engine in %.1f s", eng.warmup(modes=tuple(warmup_modes)))
+  asyncio.run(
+    _serve(eng, driver, api_config, grpc_port, address_file, serve_seconds, weights_dir,
+           weights_poll_s)
+  )  # fmt: skip
   return 0
 
 
@@ -111,6 +142,8 @@ async def _serve(
   grpc_port: int | None,
   address_file: str | None,
   serve_seconds: float | None,
+  weights_dir: str | None = None,
+  weights_poll_s: float = 1.0,
 ) -> None:
   stop = asyncio.Event()
   loop = asyncio.get_running_loop()
@@ -118,6 +151,10 @@ async def _serve(
     with contextlib.suppress(NotImplementedError, RuntimeError):
       loop.add_signal_handler(sig, stop.set)
   driver = Driver(eng, driver_config)
+  watcher = None
+  if weights_dir is not None:
+    watcher = DirectoryWeightWatcher(weights_dir, driver, poll_s=weights_poll_s)
+    watcher.start()
   api = OpenAIServer(driver, api_config)
   grpc_server = None
   addr_path = Path(address_file) if address_file else None
@@ -149,5 +186,7 @@ async def _serve(
     if grpc_server is not None:
       await grpc_server.stop()
     await api.stop()
+    if watcher is not None:
+      await asyncio.to_thread(watcher.stop)
     await asyncio.to_thread(driver.close)
     print(f"serve-model: stopped after {time.perf_counter() - t0:.0f} s", flush=True)

@@ -40,3 +40,29 @@ def test_benchmark_runs_both_modes_and_reports(capsys):
   assert 0 <= last["occupancy_async"] <= 1
   for mode in (sync, asyn):
     assert mode["trained_tokens"] > 0 and mode["tool_calls"] > 0
+
+
+@pytest.mark.slow
+def test_benchmark_with_the_engine_in_its_own_process(capsys):
+  """--engine process: async mode generates on a `serve-model` child process over HTTP and
+  hands it each new version through the weights directory; the bound still holds, measured
+  from the versions the server stamped on the tokens, and versions past 0 reached it."""
+  bench = load_bench()
+  result = bench.main([
+    "--steps", "3", "--batch-groups", "2", "--group-size", "2", "--minibatches", "1",
+    "--async-concurrent", "4", "--slots", "4", "--k-max", "3", "--tool-median-s", "0.05",
+    "--engine", "process", "--engine-cpus", "0",
+  ])  # fmt: skip
+  assert result["engine"] == "process" and result["engine_cpus"] == [0]
+  asyn = result["async"]
+  assert asyn["steps"] == 3 and asyn["trained_tokens"] > 0 and asyn["tool_calls"] > 0
+  assert asyn["staleness_max"] <= 4 and asyn["staleness_head_max"] <= 4
+  # The served driver's own figures: it decoded, and it loaded the last published version.
+  assert asyn["engine"]["decode_steps"] > 0
+  assert asyn["engine"]["served"]["version"] == 3
+  assert "Traceback" not in capsys.readouterr().out
+
+
+def test_cpu_lists_parse():
+  assert load_bench().parse_cpus("0-3, 6") == (0, 1, 2, 3, 6)
+  assert load_bench().parse_cpus("") == ()

@@ -126,3 +126,56 @@ def test_serve_model_on_a_taken_port_is_a_one_line_error():
   assert proc.returncode == 1, proc.stderr
   assert f"cannot serve HTTP on 127.0.0.1:{port}" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+  """Greedy continuation by full forward passes (no cache): the reference for a served policy."""
+  import jax.numpy as jnp
+
+  ids = list(prompt)
+  for _ in range(n):
+    ids.append(int(jnp.argmax(model(jnp.asarray([ids], jnp.int32))[0, -1])))
+  return ids[len(prompt) :]
+
+
+async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, tokenizer):
+  """Disaggregated RL: the server compiles before announcing itself, then swaps in every newer
+  version written to weights_dir; tokens carry the version and come from the new weights."""
+  from flax import nnx
+
+  from asearcher_jax.model import presets, transformer
+  from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher
+
+  addr, weights = tmp_path / "policy.addr", tmp_path / "weights"
+  proc = _start(
+    f"--gin_param=commands.serve.address_file='{addr}'",
+    f"--gin_param=commands.serve.weights_dir='{weights}'",
+    "--gin_param=commands.serve.weights_poll_s=0.1",
+    "--gin_param=commands.serve.warmup_modes=('greedy',)",
+  )
+  try:
+    await asyncio.to_thread(_wait_for, addr, proc, 300)
+    config = RemoteClientConfig(timeout_s=T, retries=1, backoff_s=0.1)
+    cfg = presets.model_config(name="qwen2-tiny")
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
+    greedy = SamplingParams(temperature=0.0)
+    async with RemoteGenerationClient(address_file=addr, config=config) as client:
+      before = await asyncio.wait_for(client.generate(prompt, greedy, 6, stop_token_ids=()), T)
+      assert before.versions == [0] * 6
+      assert before.tokens == _greedy(transformer.Transformer(cfg, rngs=nnx.Rngs(0)), prompt, 6)
+
+      trained = transformer.Transformer(cfg, rngs=nnx.Rngs(7))  # stands in for new weights
+      graphdef, params = nnx.split(trained)
+      DirectoryWeightPublisher(weights, graphdef).write(params, 3)
+      deadline = time.monotonic() + T
+      while (await asyncio.wait_for(client.health(), T))["version"] != 3:
+        assert time.monotonic() < deadline, "the server never loaded version 3"
+        await asyncio.sleep(0.1)
+      after = await asyncio.wait_for(client.generate(prompt, greedy, 6, stop_token_ids=()), T)
+      assert after.versions == [3] * 6
+      assert after.tokens == _greedy(trained, prompt, 6)
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = await asyncio.to_thread(proc.communicate, timeout=T)
+  assert proc.returncode == 0, out
+  assert "Traceback" not in out
