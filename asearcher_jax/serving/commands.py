@@ -56,10 +56,13 @@ def pin_cpus(cpus: Iterable[int]) -> None:
   """Restricts every thread of this process (XLA's pools included) to `cpus` (Linux). Threads
   started later inherit it from the thread that starts them."""
   allowed = set(cpus)
-  if not allowed:
-    raise ValueError("pin_cpus needs at least one core")
+  usable = os.sched_getaffinity(0)
+  if not allowed or not allowed <= usable:
+    raise AsearcherError(
+      f"cannot pin to cores {sorted(allowed)}: this process may use {sorted(usable)}"
+    )
   for tid in os.listdir("/proc/self/task"):
-    with contextlib.suppress(OSError):  # a thread that just exited
+    with contextlib.suppress(ProcessLookupError):  # a thread that just exited
       os.sched_setaffinity(int(tid), allowed)
 
 
@@ -117,6 +120,11 @@ def serve(
       for before the address is announced, so no request pays a compile; (): compile on demand.
     cpus: the cores this server may use (a trainer on the same host gets the others); (): all.
   """
+  if weights_poll_s <= 0:
+    raise AsearcherError(f"weights_poll_s must be > 0, got {weights_poll_s}")
+  bad = set(warmup_modes) - {"greedy", "sample", "truncate"}
+  if bad:
+    raise AsearcherError(f"unknown warmup_modes {sorted(bad)}: use greedy, sample, truncate")
   if cpus:
     pin_cpus(cpus)
   policy, tokenizer, what = build_policy(model_dir, model, tokenizer_dir, seed)

@@ -179,3 +179,15 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
     out, _ = await asyncio.to_thread(proc.communicate, timeout=T)
   assert proc.returncode == 0, out
   assert "Traceback" not in out
+
+
+def test_serve_model_refuses_bad_new_options_before_loading_anything():
+  from asearcher_jax.errors import AsearcherError
+  from asearcher_jax.serving import commands
+
+  with pytest.raises(AsearcherError, match="cannot pin to cores"):
+    commands.serve(cpus=(10_000,), serve_seconds=0.1)
+  with pytest.raises(AsearcherError, match="unknown warmup_modes"):
+    commands.serve(warmup_modes=("fast",), serve_seconds=0.1)
+  with pytest.raises(AsearcherError, match="weights_poll_s"):
+    commands.serve(weights_poll_s=0, serve_seconds=0.1)
