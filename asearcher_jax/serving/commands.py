@@ -54,16 +54,22 @@ def build_policy(
 
 def pin_cpus(cpus: Iterable[int]) -> None:
   """Restricts every thread of this process (XLA's pools included) to `cpus` (Linux). Threads
-  started later inherit it from the thread that starts them."""
-  allowed = set(cpus)
-  usable = os.sched_getaffinity(0)
-  if not allowed or not allowed <= usable:
-    raise AsearcherError(
-      f"cannot pin to cores {sorted(allowed)}: this process may use {sorted(usable)}"
-    )
+  started later inherit it from the thread that starts them. The kernel silently drops cores
+  the process may not use, so the calling thread's mask is read back: a narrower one is an
+  error, not a quieter pin. Widening again after a narrower pin is allowed."""
+  wanted = set(cpus)
+  before = os.sched_getaffinity(0)
+  try:
+    os.sched_setaffinity(0, wanted)
+    got = os.sched_getaffinity(0)
+  except (OSError, ValueError, OverflowError) as e:
+    got = f"none ({e})"
+  if got != wanted:
+    os.sched_setaffinity(0, before)
+    raise AsearcherError(f"cannot pin to cores {sorted(wanted)}: the kernel granted {got}")
   for tid in os.listdir("/proc/self/task"):
     with contextlib.suppress(ProcessLookupError):  # a thread that just exited
-      os.sched_setaffinity(int(tid), allowed)
+      os.sched_setaffinity(int(tid), wanted)
 
 
 def write_address(path: Path, addresses: dict[str, str]) -> None:

@@ -191,3 +191,27 @@ def test_serve_model_refuses_bad_new_options_before_loading_anything():
     commands.serve(warmup_modes=("fast",), serve_seconds=0.1)
   with pytest.raises(AsearcherError, match="weights_poll_s"):
     commands.serve(weights_poll_s=0, serve_seconds=0.1)
+
+
+def test_pin_cpus_narrows_and_widens_again():
+  """The benchmark pins its trainer to the cores the engine does not use and restores the
+  full set afterwards; widening back must not be mistaken for asking for forbidden cores."""
+  import os
+
+  from asearcher_jax.errors import AsearcherError
+  from asearcher_jax.serving import commands
+
+  before = os.sched_getaffinity(0)
+  if len(before) < 2:
+    pytest.skip("needs two usable cores")
+  one = {max(before)}
+  try:
+    commands.pin_cpus(one)
+    assert os.sched_getaffinity(0) == one
+    commands.pin_cpus(before)
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(AsearcherError, match="cannot pin to cores"):
+      commands.pin_cpus(before | {10_000})
+    assert os.sched_getaffinity(0) == before  # a refused pin leaves the mask as it was
+  finally:
+    os.sched_setaffinity(0, before)
