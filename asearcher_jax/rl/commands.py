@@ -6,7 +6,9 @@ shipped corpus) on 127.0.0.1, the ASearcher agent and the in-process engine. `bu
 the pieces (used by the tests too); `train` runs them and prints a JSON summary as its last line.
 
 Threads: the learner on the caller's thread, rollouts + tools + the retrieval server on the
-rollout controller's asyncio thread, the engine on the driver's thread.
+rollout controller's asyncio thread, the engine on the driver's thread. With
+`engine_address_files` the engine is elsewhere instead: `serve-model` servers that load each
+version from `weights_dir` (`rl.remote`: AReaL's disaggregated layout).
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ from flax import nnx
 from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig, Limits
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
+from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metrics import MetricWriter
 from asearcher_jax.model import steps
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.learner import Learner, PPOConfig
+from asearcher_jax.rl.remote import RemoteEngines
 from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
 from asearcher_jax.rl.rollout import QAItem, RolloutConfig, RolloutController, Scorer, answer_scorer
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.rl.weight_sync import InProcessWeightSync
+from asearcher_jax.serving.client import RemoteClientConfig
 from asearcher_jax.serving.commands import build_policy
 from asearcher_jax.serving.driver import Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
@@ -113,8 +118,8 @@ class TrainRun:
   """Every live object of a run; `close()` tears them down in reverse order."""
 
   tokenizer: object
-  engine: Engine
-  driver: Driver
+  engine: Engine | None  # None: generation on remote servers
+  driver: Driver | None
   learner: Learner
   staleness: StalenessManager
   replay: ReplayQueue
@@ -125,13 +130,22 @@ class TrainRun:
   run_dir: Path
   toolbox: ToolBox | None = None
   retrieval: object | None = None
+  remote: RemoteEngines | None = None
+  engine_wait_s: float = 600.0
 
   def start(self, *, retrieval_index_dir: str | None = None) -> int | None:
     """Restores the latest checkpoint (returns its version, None for a fresh run), starts the
     rollout loop, the retrieval server on it (if the agent has tools), then admits groups."""
-    version = self.trainer.restore()
+    version = self.trainer.restore()  # a resumed run publishes its restored version
+    if self.remote is not None:
+      if version is None:
+        self.remote.publish(self.learner)  # servers may have started from any init
+      self.remote.start()
+      self.remote.wait_loaded(self.engine_wait_s)
     self.rollout.pause()  # no episode before the tools are up
     self.rollout.start()
+    if self.remote is not None:
+      self.rollout.add_closer(self.remote.close_clients)
     if self.toolbox is not None:
       self.rollout.add_closer(self.toolbox.close)
       start_retrieval(self, retrieval_index_dir)
@@ -140,7 +154,10 @@ class TrainRun:
 
   def close(self) -> None:
     self.rollout.stop()  # cancels running groups, then closes the ToolBox and the server
-    self.driver.close()
+    if self.driver is not None:
+      self.driver.close()
+    if self.remote is not None:
+      self.remote.stop()
     self.writer.close()
     self.checkpointer.close()
     self.replay.close()
@@ -169,14 +186,25 @@ def build_run(
   checkpoint_every: int = 1,
   batch_timeout_s: float = 600.0,
   seed: int = 0,
+  engine_address_files: Sequence[str] = (),
+  weights_dir: str | None = None,
+  engine_wait_s: float = 600.0,
 ) -> TrainRun:
   """Builds (does not start) a run; see `train` for the arguments."""
   run = Path(run_dir)
+  if engine_address_files and weights_dir is None:
+    raise AsearcherError(
+      "engine_address_files needs weights_dir: the directory the servers load versions from"
+    )
   policy, tokenizer, what = build_policy(model_dir, model, tokenizer_dir, seed)
   log.info("policy: %s", what)
   graphdef, params = nnx.split(policy)
-  eng = Engine.from_model(policy, tokenizer, engine)
-  drv = Driver(eng, driver)
+  eng = drv = remote = None
+  if engine_address_files:
+    log.info("generation on %d serve-model server(s)", len(engine_address_files))
+  else:
+    eng = Engine.from_model(policy, tokenizer, engine)
+    drv = Driver(eng, driver)
   ppo = ppo or PPOConfig(row_len=engine.max_seq_len, temperature=max(temperature, 1e-6))
   learner = Learner(
     graphdef,
@@ -189,6 +217,11 @@ def build_run(
       batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent
     )
   )
+  if engine_address_files:
+    remote = RemoteEngines(
+      engine_address_files, weights_dir, graphdef, staleness,
+      client=RemoteClientConfig(timeout_s=driver.request_timeout_s),
+    )  # fmt: skip
   replay = ReplayQueue(
     ReplayConfig(directory=str(run / "replay"), max_head_staleness=max_staleness),
     on_discard=lambda g: staleness.on_discard(),
@@ -200,8 +233,9 @@ def build_run(
   limits = Limits(llm_timeout_s=driver.request_timeout_s, tool_timeout_s=60.0)
 
   def agent_factory() -> AsearcherAgent:
+    client = drv if remote is None else remote.client_for_episode()  # one server per episode
     return AsearcherAgent(
-      client=drv, tokenizer=tokenizer, toolbox=toolbox, config=agent, sampling=sampling,
+      client=client, tokenizer=tokenizer, toolbox=toolbox, config=agent, sampling=sampling,
       limits=limits,
     )  # fmt: skip
 
@@ -209,6 +243,7 @@ def build_run(
     reward = "answer" if model_dir is not None else "smoke"
     log.info("reward: %s (%s policy)", reward, "loaded" if model_dir else "random")
   scorer: Scorer = smoke_scorer if reward == "smoke" else answer_scorer(reward_lib.RewardConfig())
+  engine_stats = drv.stats if remote is None else remote.stats
   controller = RolloutController(
     config=rollout,
     items=items if items is not None else load_qa(),
@@ -216,7 +251,7 @@ def build_run(
     staleness=staleness,
     replay=replay,
     scorer=scorer,
-    engine_stats=drv.stats,
+    engine_stats=engine_stats,
   )
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(run / "metrics")
@@ -230,16 +265,16 @@ def build_run(
     learner=learner,
     replay=replay,
     staleness=staleness,
-    weight_sync=InProcessWeightSync(drv, staleness),
+    weight_sync=InProcessWeightSync(drv, staleness) if remote is None else remote,
     rollout=controller,
     checkpointer=ckpt,
     writer=writer,
-    engine_stats=drv.stats,
+    engine_stats=engine_stats,
   )
   out = TrainRun(
     tokenizer=tokenizer, engine=eng, driver=drv, learner=learner, staleness=staleness,
     replay=replay, rollout=controller, trainer=trainer, checkpointer=ckpt, writer=writer,
-    run_dir=run, toolbox=toolbox,
+    run_dir=run, toolbox=toolbox, remote=remote, engine_wait_s=engine_wait_s,
   )  # fmt: skip
   return out
 
@@ -289,6 +324,9 @@ def train(
   checkpoint_every: int = 1,
   batch_timeout_s: float = 600.0,
   seed: int = 0,
+  engine_address_files: Sequence[str] = (),
+  weights_dir: str | None = None,
+  engine_wait_s: float = 600.0,
 ) -> int:
   """Trains until `train_steps` (resuming from `run_dir` if it holds a checkpoint); returns 0.
 
@@ -304,7 +342,8 @@ def train(
     group_size: n, episodes per group.
     max_staleness: eta; 0 = synchronous RL on the same code path.
     max_concurrent: groups in flight at once; None = B.
-    engine: slots, context and prefill buckets of the in-process engine.
+    engine: slots, context and prefill buckets of the in-process engine (with remote servers:
+      its max_seq_len still sets the learner's row length; match the servers').
     driver: the engine driver's settings.
     agent: the ASearcher agent's budgets.
     ppo: learner settings; None: decoupled PPO with row_len = the engine context.
@@ -318,6 +357,12 @@ def train(
     checkpoint_every: checkpoint (and commit consumed groups) every this many steps.
     batch_timeout_s: fail if no batch arrives within this long.
     seed: init seed of the random policy.
+    engine_address_files: address files of `asearcher serve-model` servers to generate on
+      (one server per episode, round-robin) instead of the in-process engine; each server
+      must be started with `weights_dir` set to this run's `weights_dir`. (): in-process.
+    weights_dir: where each policy version is published for those servers (a directory both
+      sides can read: local disk on one host, a shared filesystem on a pod).
+    engine_wait_s: longest wait at start for every server to load the trainer's weights.
   """
   t0 = time.time()
   rollout_cfg = dataclasses.replace(rollout or DEFAULT_ROLLOUT, group_size=group_size)
@@ -328,6 +373,8 @@ def train(
     max_concurrent=max_concurrent, engine=engine, driver=driver, agent=agent, ppo=ppo,
     optimizer=optimizer, rollout=rollout_cfg, reward=reward, temperature=temperature,
     search=search, checkpoint_every=checkpoint_every, batch_timeout_s=batch_timeout_s, seed=seed,
+    engine_address_files=tuple(engine_address_files), weights_dir=weights_dir,
+    engine_wait_s=engine_wait_s,
   )  # fmt: skip
   try:
     resumed = run.start(retrieval_index_dir=retrieval_index_dir)

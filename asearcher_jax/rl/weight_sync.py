@@ -40,7 +40,9 @@ LATEST = "LATEST"
 class ParamsSink(Protocol):
   """What receives weights: the in-process `serving.driver.Driver`."""
 
-  def update_params(self, params: nnx.State, version: int, timeout: float = ...) -> float: ...
+  def update_params(
+    self, params: nnx.State, version: int, timeout: float = ..., *, recompute: bool | None = ...
+  ) -> float: ...
 
 
 class PolicySource(Protocol):
@@ -179,10 +181,17 @@ class DirectoryWeightPublisher:
 
 
 class DirectoryWeightWatcher:
-  """Server side: polls LATEST and hands newer weights to the driver (`update_params`).
+  """Server side: polls LATEST and hands the weights it points to to the driver (`update_params`).
+
+  The server runs whatever LATEST points to: a pointer it has not loaded yet is loaded, the
+  first one included, so a server started from any init (or restarted mid-run) converges on the
+  trainer's weights. A pointer to a version <= the one running (a trainer that resumed from an
+  older checkpoint, or a first load over the init) is loaded with `recompute=True`: keys/values
+  cached under other weights must not be continued.
 
   `poll_once()` does one check (tests, or a caller's own loop); `start()` runs it on a daemon
   thread every `poll_s` seconds. Loading failures are logged and retried at the next poll.
+  `status()` says which pointer is loaded (servers report it on /health).
   """
 
   def __init__(
@@ -204,18 +213,27 @@ class DirectoryWeightWatcher:
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.loaded: list[int] = []
+    self.pointer: dict[str, Any] | None = None  # the LATEST pointer last loaded
 
   def poll_once(self) -> int | None:
-    """Loads and applies the latest version if it is newer; returns it, else None."""
+    """Loads and applies the pointed-to version if the pointer moved; returns it, else None."""
     latest = read_latest(self.root)
-    if latest is None or int(latest["version"]) <= self.version:
+    if latest is None or _same_pointer(latest, self.pointer):
       return None
     version = int(latest["version"])
     params = self._load(self.root / latest["path"])
-    self.sink.update_params(params, version, timeout=self.config.timeout_s)
+    reset = True if version <= self.version else None  # None: the driver's kv_on_update
+    self.sink.update_params(params, version, timeout=self.config.timeout_s, recompute=reset)
     self.version = version
+    self.pointer = latest
     self.loaded.append(version)
+    log.info("loaded version %d from %s", version, self.root / latest["path"])
     return version
+
+  def status(self) -> dict[str, Any] | None:
+    """{"version", "time"} of the loaded pointer (its publish time identifies it); None yet."""
+    p = self.pointer
+    return None if p is None else {"version": int(p["version"]), "time": p.get("time")}
 
   def start(self) -> None:
     self._thread = threading.Thread(target=self._run, name="weight-watcher", daemon=True)
@@ -233,6 +251,11 @@ class DirectoryWeightWatcher:
         self.poll_once()
       except Exception:  # a torn or pruned directory: try again at the next poll
         log.exception("weight watcher: loading from %s failed", self.root)
+
+
+def _same_pointer(a: dict[str, Any], b: dict[str, Any] | None) -> bool:
+  keys = ("version", "path", "time")
+  return b is not None and all(a.get(k) == b.get(k) for k in keys)
 
 
 def _load_state(path: Path) -> nnx.State:

@@ -169,7 +169,10 @@ async def _serve(
   if weights_dir is not None:
     watcher = DirectoryWeightWatcher(weights_dir, driver, poll_s=weights_poll_s)
     watcher.start()
-  api = OpenAIServer(driver, api_config)
+  api = OpenAIServer(
+    driver, api_config,
+    health_extra=None if watcher is None else lambda: {"weights": watcher.status()},
+  )  # fmt: skip
   grpc_server = None
   addr_path = Path(address_file) if address_file else None
   t0 = time.perf_counter()

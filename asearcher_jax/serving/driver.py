@@ -273,6 +273,7 @@ class Driver:
       queued = len(self._queue)
     decode_s = self.metrics["decode_s"] or 1e-9
     return {
+      "slots": len(self._slots),
       "slots_active": active,
       "slot_occupancy": active / len(self._slots),
       "queue_depth": queued,

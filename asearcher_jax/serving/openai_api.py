@@ -282,8 +282,16 @@ def _usage(prompts: list[list[int]], choices: list[_Choice]) -> dict[str, int]:
 class OpenAIServer:
   """Serves the facade over one Driver; `start()`/`stop()` for tests and the CLI alike."""
 
-  def __init__(self, driver: Driver, config: OpenAIServerConfig = OpenAIServerConfig()):
+  def __init__(
+    self,
+    driver: Driver,
+    config: OpenAIServerConfig = OpenAIServerConfig(),
+    *,
+    health_extra: Callable[[], dict[str, Any]] | None = None,
+  ):
+    """health_extra: more fields for /health (serve-model adds the weights it loaded)."""
     self.driver = driver
+    self.health_extra = health_extra
     self.tokenizer: Tokenizer = driver.engine.tokenizer
     self.config = config
     self._pieces = _TokenText(self.tokenizer)
@@ -478,7 +486,9 @@ class OpenAIServer:
     }]})  # fmt: skip
 
   async def _health(self, request: web.Request) -> web.Response:
+    extra = self.health_extra() if self.health_extra is not None else {}
     return web.json_response({
       "status": "ok", "model": self.config.model_name, "version": self.driver.version,
       "inflight": self._inflight, "requests": self.requests, "driver": self.driver.stats(),
+      **extra,
     })  # fmt: skip

@@ -63,13 +63,13 @@ TINY = ModelConfig(
 )  # fmt: skip
 
 
-def build(run_dir: Path, tok_dir: Path, *, eta: int, steps: int) -> commands.TrainRun:
+def build(run_dir: Path, tok_dir: Path, *, eta: int, steps: int, **kw) -> commands.TrainRun:
   return commands.build_run(
     run_dir=str(run_dir), model=TINY, tokenizer_dir=str(tok_dir),
     items=commands.load_qa(limit=24), train_steps=steps, batch_groups=1, max_staleness=eta,
     max_concurrent=2, engine=EngineConfig(max_slots=4, max_seq_len=2048, prefill_buckets=(1024,)),
     agent=AsearcherAgentConfig(max_turns=2, max_new_tokens=48, max_tokens=2048),
-    rollout=RolloutConfig(group_size=2, episode_timeout_s=120), batch_timeout_s=240,
+    rollout=RolloutConfig(group_size=2, episode_timeout_s=120), batch_timeout_s=240, **kw,
   )  # fmt: skip
 
 

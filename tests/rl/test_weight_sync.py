@@ -94,9 +94,11 @@ async def test_in_process_update_lands_mid_generation(make_driver):  # noqa: F81
 class RecordingSink:
   def __init__(self) -> None:
     self.updates: list[tuple[nnx.State, int]] = []
+    self.recomputes: list[bool | None] = []
 
-  def update_params(self, params, version, timeout=600.0) -> float:
+  def update_params(self, params, version, timeout=600.0, *, recompute=None) -> float:
     self.updates.append((params, version))
+    self.recomputes.append(recompute)
     return 1.0
 
 
@@ -129,6 +131,31 @@ def test_directory_publish_and_watch(tmp_path):
   assert names == [LATEST, "v00000002"]  # keep_versions=1 pruned v1 and the stray .tmp
   assert json.loads((tmp_path / "weights" / LATEST).read_text())["path"] == "v00000002"
   assert watcher.poll_once() == 2 and leaves_equal(sink.updates[-1][0], learner.params)
+
+
+def test_watcher_runs_whatever_the_pointer_names(tmp_path):
+  """A server converges on the trainer's weights whatever it started from: the first pointer
+  is loaded even at the version it already claims (v0 over its own init), and a trainer that
+  resumed from an older checkpoint moves it back, each time with a forced recompute."""
+  model = tiny_model()
+  learner = make_learner(model)
+  graphdef, _ = nnx.split(model)
+  publisher = DirectoryWeightPublisher(tmp_path / "w", graphdef)
+  sink = RecordingSink()
+  watcher = DirectoryWeightWatcher(tmp_path / "w", sink, version=0)
+  assert watcher.status() is None
+  publisher.publish(learner)  # version 0: a fresh run's start
+  assert watcher.poll_once() == 0 and sink.recomputes == [True]
+  assert watcher.status()["version"] == 0 and watcher.poll_once() is None
+  at_v0 = jax.tree.map(np.asarray, learner.params)
+  learner.train_step([one_group(0)])
+  publisher.publish(learner)
+  assert watcher.poll_once() == 1 and sink.recomputes[-1] is None  # newer: kv_on_update decides
+  # The trainer crashed before checkpointing v1 and resumed at v0: same version, new pointer.
+  time.sleep(0.01)
+  publisher.write(at_v0, 0)
+  assert watcher.poll_once() == 0 and sink.recomputes[-1] is True
+  assert leaves_equal(sink.updates[-1][0], at_v0) and watcher.version == 0
 
 
 def test_watcher_thread_feeds_a_real_driver(tmp_path, make_driver):  # noqa: F811

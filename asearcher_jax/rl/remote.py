@@ -1,0 +1,174 @@
+"""The trainer's side of disaggregated RL: generation on separate `serve-model` servers.
+
+AReaL and ASearcher run generation and training on disjoint devices (ASearcher's recipe: 96
+inference + 32 training GPUs). Here that is one trainer process (`asearcher train` with
+`engine_address_files` and `weights_dir`) and any number of `asearcher serve-model` processes,
+each started with the same `weights_dir`. `RemoteEngines` is everything the trainer needs from
+them:
+  * a client per server, handed to agents round-robin, one server per episode (every LLM call
+    of an episode goes to the server holding its parked prefix);
+  * weight sync: each version is written to `weights_dir` (`DirectoryWeightPublisher`); the
+    servers' watchers load it between decode steps and stamp the tokens with the version they
+    actually ran, so staleness measured from token versions stays exact while they catch up;
+  * `wait_loaded`: at start (fresh or resumed) every server must run the trainer's weights
+    before the first episode, whatever init it was started from;
+  * `stats()`: the fleet's engine figures (summed /health driver stats, slot occupancy over all
+    slots, the oldest version any server runs), polled on a thread and cached, so callers on the
+    rollout's event loop never block on HTTP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.rl.staleness import StalenessManager
+from asearcher_jax.rl.weight_sync import (
+  DirectoryWeightPublisher,
+  PolicySource,
+  WeightSyncConfig,
+  read_latest,
+)
+from asearcher_jax.serving.client import RemoteClientConfig, RemoteGenerationClient, read_address
+
+log = logging.getLogger(__name__)
+
+# Per-step driver figures: averaged over servers, not summed.
+_MEAN = {"decode_rows_per_step", "last_update_ms"}
+
+
+class RemoteEngines:
+  """A fleet of `serve-model` servers fed through one weights directory (module docstring)."""
+
+  def __init__(
+    self,
+    address_files: Sequence[str | Path],
+    weights_dir: str | Path,
+    graphdef: nnx.GraphDef,
+    staleness: StalenessManager | None,
+    *,
+    client: RemoteClientConfig = RemoteClientConfig(),
+    sync: WeightSyncConfig = WeightSyncConfig(),
+    poll_s: float = 0.5,
+  ) -> None:
+    if not address_files:
+      raise AsearcherError("engine_address_files is empty: name at least one serve-model server")
+    self.address_files = [Path(a) for a in address_files]
+    self.clients = [RemoteGenerationClient(address_file=a, config=client) for a in address_files]
+    self.publisher = DirectoryWeightPublisher(weights_dir, graphdef, staleness, sync)
+    self.poll_s = poll_s
+    self._next = itertools.cycle(range(len(self.clients)))
+    self._lock = threading.Lock()
+    self._health: list[dict[str, Any] | None] = [None] * len(self.clients)
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  # --- agents ----------------------------------------------------------------------------------
+
+  def client_for_episode(self) -> RemoteGenerationClient:
+    """The next server, round-robin; an agent keeps it for its whole episode."""
+    with self._lock:
+      return self.clients[next(self._next)]
+
+  async def close_clients(self) -> None:
+    for c in self.clients:
+      await c.close()
+
+  # --- weights ---------------------------------------------------------------------------------
+
+  def publish(self, learner: PolicySource) -> dict[str, float]:
+    """`WeightSync`: writes the learner's version; the servers load it on their next poll."""
+    return self.publisher.publish(learner)
+
+  def wait_loaded(self, timeout_s: float) -> None:
+    """Blocks until every server runs what the LATEST pointer names (same publish time), or
+    raises AsearcherError naming the servers that did not (unreachable, or still loading)."""
+    latest = read_latest(self.publisher.root)
+    if latest is None:
+      raise AsearcherError(f"nothing published in {self.publisher.root}")
+    want = {"version": int(latest["version"]), "time": latest.get("time")}
+    deadline = time.monotonic() + timeout_s
+    behind = list(range(len(self.clients)))
+    while True:
+      behind = [i for i in behind if self._fetch(i, timeout_s=5.0).get("weights") != want]
+      if not behind:
+        return
+      if time.monotonic() > deadline:
+        names = ", ".join(f"{self.address_files[i]} ({self._describe(i)})" for i in behind)
+        raise AsearcherError(
+          f"serve-model servers did not load version {want['version']} from "
+          f"{self.publisher.root} within {timeout_s:g} s: {names}. Start each with "
+          f"weights_dir={self.publisher.root}."
+        )
+      time.sleep(0.1)
+
+  # --- figures ---------------------------------------------------------------------------------
+
+  def start(self) -> None:
+    """Starts the /health poller behind `stats()`."""
+    for i in range(len(self.clients)):
+      self._fetch(i, timeout_s=5.0)
+    self._thread = threading.Thread(target=self._poll, name="engine-health", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(10)
+      self._thread = None
+
+  def stats(self) -> dict[str, float]:
+    """The fleet as one engine: counters and rates summed (the servers run side by side),
+    per-step figures averaged, occupancy over all slots, the oldest version any server runs
+    (-1 while none has answered)."""
+    with self._lock:
+      drivers = [h["driver"] for h in self._health if h is not None and "driver" in h]
+    out: dict[str, float] = {}
+    for d in drivers:
+      for k, v in d.items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+          out[k] = out.get(k, 0.0) + float(v)
+    for k in _MEAN & set(out):
+      out[k] /= len(drivers)
+    slots = out.get("slots", 0.0)
+    out["slot_occupancy"] = out.get("slots_active", 0.0) / slots if slots else 0.0
+    out["version"] = float(min((d.get("version", -1) for d in drivers), default=-1))
+    out["servers_up"] = float(len(drivers))
+    out["servers"] = float(len(self.clients))
+    return out
+
+  def _poll(self) -> None:
+    while not self._stop.wait(self.poll_s):
+      for i in range(len(self.clients)):
+        self._fetch(i, timeout_s=max(self.poll_s, 2.0))
+
+  def _fetch(self, i: int, *, timeout_s: float) -> dict[str, Any]:
+    """Server i's /health (cached for stats()); {} when it cannot be reached."""
+    try:
+      url = read_address(self.address_files[i]) + "/health"
+      with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        health = json.loads(r.read())
+    except (OSError, ValueError, KeyError, urllib.error.URLError) as e:
+      health = None
+      log.debug("server %s: %s", self.address_files[i], e)
+    with self._lock:
+      self._health[i] = health
+    return health or {}
+
+  def _describe(self, i: int) -> str:
+    with self._lock:
+      h = self._health[i]
+    if h is None:
+      return "not reachable"
+    return f"runs {h.get('weights') or 'its initial weights'}"
