@@ -173,6 +173,9 @@ class Workload:
   # versioned directory: the pod layout). Sync mode always runs in process (colocated).
   engine: str = "thread"
   engine_cpus: tuple[int, ...] = ()  # "process": the cores the engine gets; the trainer the rest
+  # Compile every engine shape and learner bucket before the timed runs. False (smoke runs and
+  # tests): shapes compile on first use, inside the runs, so the figures include compile time.
+  warmup: bool = True
 
 
 @dataclasses.dataclass
@@ -206,7 +209,7 @@ class EngineServer:
         # the same random init as the learner: same config, same seed
         model=model_config(w), tokenizer_dir=str(tmp / "tok"), seed=w.seed,
         engine=engine_config(w), driver=driver_config(w), address_file=str(self.address_file),
-        weights_dir=str(self.weights_dir), weights_poll_s=0.01, warmup_modes=("sample",),
+        weights_dir=str(self.weights_dir), weights_poll_s=0.01, warmup_modes=("sample",) if w.warmup else (),
         cpus=tuple(sorted(cpus or ())),
       ),
     )  # fmt: skip
@@ -543,6 +546,10 @@ def parse(argv: list[str] | None) -> Workload:
     "rest); '' = all cores shared",
   )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
+  p.add_argument(
+    "--no-warmup", action="store_true",
+    help="compile on first use instead of up front (smoke runs: figures then include compiles)",
+  )  # fmt: skip
   a = p.parse_args(argv)
   if a.engine == "process" and a.kv_on_update == "both":
     p.error("--kv-on-update both needs --engine thread")
@@ -563,7 +570,7 @@ def parse(argv: list[str] | None) -> Workload:
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
     prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update, engine=a.engine,
-    engine_cpus=parse_cpus(a.engine_cpus),
+    engine_cpus=parse_cpus(a.engine_cpus), warmup=not a.no_warmup,
   )  # fmt: skip
 
 
@@ -586,7 +593,7 @@ def main(argv: list[str] | None = None) -> dict:
     if w.engine == "process":  # compiles in the child while this process warms up
       server = EngineServer(w, Path(tmp), set(w.engine_cpus) or None)
     try:
-      warm = warm_up(shared, w)
+      warm = warm_up(shared, w) if w.warmup else None
       print(f"warm-up: {warm}", flush=True)
       if server is not None:
         print(f"engine process: {server.wait_ready()}, cpus {w.engine_cpus or 'all'}", flush=True)
@@ -631,6 +638,7 @@ def main(argv: list[str] | None = None) -> dict:
     "kv_on_update": w.kv_on_update,
     "engine": w.engine,
     "engine_cpus": list(w.engine_cpus),
+    "warmup": w.warmup,
     "sync": sync,
     "async": asyn,
     "platform": jax.devices()[0].platform,
