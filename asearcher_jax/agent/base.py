@@ -14,7 +14,7 @@ import numpy as np
 
 from asearcher_jax.agent.protocol import Action
 from asearcher_jax.agent.trajectory import LLMCall, ToolEvent, Trajectory
-from asearcher_jax.serving.types import GenerationClient, SamplingParams
+from asearcher_jax.serving.types import EngineError, GenerationClient, SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
 from asearcher_jax.tools.toolbox import ToolBox, ToolCall, ToolResult
 
@@ -108,6 +108,10 @@ class Agent(abc.ABC):
         result = await self.client.generate(input_ids, self.sampling, max_new_tokens, stop=stop)
     except TimeoutError:
       self.fail(traj, "abort", f"engine: generate exceeded {self.limits.llm_timeout_s:g} s")
+      return None
+    except EngineError as e:  # known and attributed (a dead server, a failed prefill): one line
+      log.warning("generate failed: %s", e)
+      self.fail(traj, "abort", f"engine: {type(e).__name__}: {e}")
       return None
     except Exception as e:  # an engine bug fails this episode, attributed, not the rollout
       log.exception("generate failed")

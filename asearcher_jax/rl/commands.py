@@ -189,6 +189,7 @@ def build_run(
   engine_address_files: Sequence[str] = (),
   weights_dir: str | None = None,
   engine_wait_s: float = 600.0,
+  engine_client: RemoteClientConfig | None = None,
 ) -> TrainRun:
   """Builds (does not start) a run; see `train` for the arguments."""
   run = Path(run_dir)
@@ -220,7 +221,9 @@ def build_run(
   if engine_address_files:
     remote = RemoteEngines(
       engine_address_files, weights_dir, graphdef, staleness,
-      client=RemoteClientConfig(timeout_s=driver.request_timeout_s),
+      client=engine_client or RemoteClientConfig(
+        timeout_s=driver.request_timeout_s, retries=6, max_backoff_s=8.0
+      ),
     )  # fmt: skip
   replay = ReplayQueue(
     ReplayConfig(directory=str(run / "replay"), max_head_staleness=max_staleness),
@@ -327,6 +330,7 @@ def train(
   engine_address_files: Sequence[str] = (),
   weights_dir: str | None = None,
   engine_wait_s: float = 600.0,
+  engine_client: RemoteClientConfig | None = None,
 ) -> int:
   """Trains until `train_steps` (resuming from `run_dir` if it holds a checkpoint); returns 0.
 
@@ -363,6 +367,10 @@ def train(
     weights_dir: where each policy version is published for those servers (a directory both
       sides can read: local disk on one host, a shared filesystem on a pod).
     engine_wait_s: longest wait at start for every server to load the trainer's weights.
+    engine_client: timeouts and retries of the calls to those servers; None: the request
+      timeout of `driver`, and 6 retries backing off up to 8 s (~12-24 s in all: a server
+      restarted on the same address file is found again; then the episode fails as an
+      environment failure, retried per `rollout`).
   """
   t0 = time.time()
   rollout_cfg = dataclasses.replace(rollout or DEFAULT_ROLLOUT, group_size=group_size)
@@ -374,7 +382,7 @@ def train(
     optimizer=optimizer, rollout=rollout_cfg, reward=reward, temperature=temperature,
     search=search, checkpoint_every=checkpoint_every, batch_timeout_s=batch_timeout_s, seed=seed,
     engine_address_files=tuple(engine_address_files), weights_dir=weights_dir,
-    engine_wait_s=engine_wait_s,
+    engine_wait_s=engine_wait_s, engine_client=engine_client,
   )  # fmt: skip
   try:
     resumed = run.start(retrieval_index_dir=retrieval_index_dir)

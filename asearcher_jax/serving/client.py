@@ -166,7 +166,12 @@ class RemoteGenerationClient:
         self.retried += 1
         delay = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
         await asyncio.sleep(delay * (0.5 + random.random() / 2))
-      url = self.base_url + path
+      try:
+        url = self.base_url + path
+      except EngineError as e:  # no address file: a server between stop and restart
+        last = e
+        log.warning("attempt %d/%d: %s", attempt + 1, attempts, last)
+        continue
       try:
         async with asyncio.timeout(self.config.timeout_s):
           async with self._get_session().request(method, url, json=body) as resp:

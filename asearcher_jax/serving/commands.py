@@ -168,6 +168,10 @@ async def _serve(
   watcher = None
   if weights_dir is not None:
     watcher = DirectoryWeightWatcher(weights_dir, driver, poll_s=weights_poll_s)
+    # A server (re)started mid-run loads the current version before it announces itself, so
+    # no request is served by the initial weights under a version they are not.
+    if await asyncio.to_thread(watcher.poll_once) is not None:
+      log.info("serving version %d from %s", watcher.version, weights_dir)
     watcher.start()
   api = OpenAIServer(
     driver, api_config,

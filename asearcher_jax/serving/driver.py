@@ -58,13 +58,9 @@ from flax import nnx
 from asearcher_jax.serving.engine import LOGPROB, TOKEN, VERSION, DecodeState, Engine
 from asearcher_jax.serving.jetstream import engine_api
 from asearcher_jax.serving.sampling import mode_for
-from asearcher_jax.serving.types import GenerationResult, SamplingParams, StopReason
+from asearcher_jax.serving.types import EngineError, GenerationResult, SamplingParams, StopReason
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-  """The engine failed while serving this request (the driver itself keeps running)."""
 
 
 KV_ON_UPDATE = ("recompute", "keep")

@@ -10,6 +10,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
+
+class EngineError(RuntimeError):
+  """The engine failed while serving this request (the driver itself keeps running), or a
+  remote engine could not be reached after the client's retries."""
+
+
 StopReason = Literal["stop", "length", "abort"]
 
 

@@ -6,13 +6,18 @@ Shown with the real pieces (a spawned `serving.commands.serve` child, the real r
 real agents, the persisted replay queue): the server was started from a *different* random init
 and still generated the first batch with the trainer's weights (the learner's recomputed
 logprobs match the server's at version 0); it runs the last published version at the end;
-staleness measured from the token versions the server stamped stays within eta.
+staleness measured from the token versions the server stamped stays within eta. The server is
+killed (SIGKILL) after the first step and a new one started on the same address file: the
+clients' retries find it, it loads the latest version before serving, and training finishes.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -43,7 +48,9 @@ def health(address_file: Path) -> dict:
 
 
 def start_server(tmp_path: Path, tok_dir: Path, weights_dir: Path, *, seed: int):
-  addr = tmp_path / f"engine-{seed}.json"
+  """A `serve-model` child; returns once it has written its own address (its pid) to the file
+  (a killed predecessor's stale file may still be there)."""
+  addr = tmp_path / "engine.json"
   proc = multiprocessing.get_context("spawn").Process(
     target=serving_commands.serve, name="engine-server", daemon=True,
     kwargs=dict(
@@ -53,7 +60,7 @@ def start_server(tmp_path: Path, tok_dir: Path, weights_dir: Path, *, seed: int)
   )  # fmt: skip
   proc.start()
   deadline = time.monotonic() + 300
-  while not addr.exists():
+  while not (addr.exists() and json.loads(addr.read_text())["pid"] == proc.pid):
     assert proc.is_alive(), f"serve-model exited with {proc.exitcode}"
     assert time.monotonic() < deadline, "serve-model never wrote its address"
     time.sleep(0.2)
@@ -76,25 +83,42 @@ def test_train_generates_on_a_served_engine_fed_through_the_weights_dir(
   weights = tmp_path / "weights"
   # seed 7: not the trainer's init (seed 0); the server must adopt the published version 0.
   proc, addr = start_server(tmp_path, byte_tok_dir, weights, seed=7)
+  servers = [proc]
+  run = build(
+    tmp_path / "run", byte_tok_dir, eta=1, steps=3,
+    engine_address_files=(str(addr),), weights_dir=str(weights), engine_wait_s=120,
+  )  # fmt: skip
+  assert run.engine is None and run.driver is None
+  restarted = threading.Event()
+
+  def kill_and_restart() -> None:
+    deadline = time.monotonic() + 300
+    while run.learner.version < 1 and time.monotonic() < deadline:
+      time.sleep(0.02)
+    os.kill(servers[0].pid, signal.SIGKILL)  # no clean shutdown: its address file stays, stale
+    servers[0].join(30)
+    servers.append(start_server(tmp_path, byte_tok_dir, weights, seed=7)[0])
+    restarted.set()
+
   try:
-    run = build(
-      tmp_path / "run", byte_tok_dir, eta=1, steps=3,
-      engine_address_files=(str(addr),), weights_dir=str(weights), engine_wait_s=120,
-    )  # fmt: skip
-    assert run.engine is None and run.driver is None
-    try:
-      assert run.start(retrieval_index_dir=str(shipped_index_dir)) is None
-      assert health(addr)["weights"]["version"] == 0  # loaded before the first episode
-      run.trainer.run()
-      fleet = run.remote.stats()
-    finally:
-      run.close()
+    assert run.start(retrieval_index_dir=str(shipped_index_dir)) is None
+    assert health(addr)["weights"]["version"] == 0  # loaded before the first episode
+    chaos = threading.Thread(target=kill_and_restart, daemon=True)
+    chaos.start()
+    run.trainer.run()
+    chaos.join(300)
+    assert restarted.is_set()
+    fleet = run.remote.stats()
+    retried = sum(c.retried for c in run.remote.clients)
+    rollout = run.rollout.metrics(reset=False)
     deadline = time.monotonic() + 60
     while (h := health(addr))["weights"]["version"] != 3:
       assert time.monotonic() < deadline, f"the server never loaded version 3: {h['weights']}"
       time.sleep(0.05)
   finally:
-    stop_server(proc)
+    run.close()
+    for p in servers:
+      stop_server(p)
 
   assert run.learner.version == 3
   check_history(run.trainer.history, eta=1)
@@ -106,9 +130,12 @@ def test_train_generates_on_a_served_engine_fed_through_the_weights_dir(
   _, committed, _ = replay_logs(tmp_path / "run" / "replay")
   assert len(committed) == 3
   check_token_versions(tmp_path / "run" / "replay", committed, eta=1)  # server-stamped
-  d = h["driver"]
-  assert d["tokens_generated"] > 0 and d["requests_failed"] == 0 and d["updates"] >= 3
+  d = h["driver"]  # the restarted server's
+  assert d["tokens_generated"] > 0 and d["requests_failed"] == 0 and d["updates"] >= 1
   assert fleet["servers_up"] == 1 and fleet["tokens_generated"] > 0 and fleet["slots"] == 4
+  # Calls in flight at the kill were retried until the new server answered, or their episodes
+  # failed as environment failures (attributed, rerun): either way, counted.
+  assert retried > 0 or rollout.get("rollout/env_failures", 0) > 0
   metrics = [
     json.loads(x) for x in (tmp_path / "run" / "metrics" / "metrics.jsonl").read_text().splitlines()
   ]

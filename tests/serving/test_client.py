@@ -151,3 +151,21 @@ async def test_a_client_timeout_aborts_the_generation_on_the_server(served):
     assert stats["tokens_generated"] < 50
   finally:
     driver.engine.generate = real
+
+
+async def test_a_server_whose_address_file_appears_late_is_found_by_a_retry(served, tmp_path):
+  """serve-model removes its address file when it stops; a client calling between a stop and
+  the restart retries (re-reading the file) instead of failing at once."""
+  _, url = served
+  addr = tmp_path / "late.addr"
+  cfg = RemoteClientConfig(timeout_s=T, retries=6, backoff_s=0.05, max_backoff_s=0.1)
+  async with RemoteGenerationClient(address_file=addr, config=cfg) as client:
+    asyncio.get_running_loop().call_later(
+      0.08, addr.write_text, json.dumps({"http": url.removeprefix("http://")})
+    )
+    out = await asyncio.wait_for(client.generate([5, 17, 42], SamplingParams(), 4), T)
+    assert len(out.tokens) == 4 and client.retried >= 1
+  never = RemoteGenerationClient(address_file=tmp_path / "never", config=FAST)
+  with pytest.raises(EngineError, match="cannot read server address"):
+    await asyncio.wait_for(never.generate([5], SamplingParams(), 2), T)
+  assert never.retried == FAST.retries
