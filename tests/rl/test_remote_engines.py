@@ -1,0 +1,76 @@
+"""`rl.remote.RemoteEngines` over two real servers (OpenAI facade + driver + weights watcher, in
+this process on loopback): the start gate waits for every server to run the trainer's weights
+and names the one that does not, episodes alternate between servers, and the fleet's figures
+are the sum of the servers'."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from flax import nnx
+
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.rl.remote import RemoteEngines
+from asearcher_jax.rl.weight_sync import DirectoryWeightWatcher
+from asearcher_jax.serving.client import RemoteClientConfig
+from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
+from asearcher_jax.serving.types import SamplingParams
+from tests.serving.conftest import make_driver, tiny_model, tokenizer  # noqa: F401
+
+T = 60
+
+
+async def test_two_servers_one_weights_dir(tmp_path, make_driver):  # noqa: F811
+  weights = tmp_path / "weights"
+  trainer_model = tiny_model(seed=0)
+  graphdef, params = nnx.split(trainer_model)
+  drivers, watchers, servers, files = [], [], [], []
+  for i, seed in enumerate((5, 9)):  # neither is the trainer's init
+    driver = make_driver(tiny_model(seed=seed), slots=2 + i)
+    watcher = DirectoryWeightWatcher(weights, driver, poll_s=0.02)
+    server = OpenAIServer(
+      driver, OpenAIServerConfig(port=0), health_extra=lambda w=watcher: {"weights": w.status()}
+    )
+    port = await asyncio.wait_for(server.start(), T)
+    files.append(tmp_path / f"engine{i}.json")
+    files[-1].write_text(json.dumps({"http": f"127.0.0.1:{port}"}))
+    drivers.append(driver), watchers.append(watcher), servers.append(server)
+  remote = RemoteEngines(
+    files, weights, graphdef, None, client=RemoteClientConfig(timeout_s=T), poll_s=0.05
+  )
+  try:
+    with pytest.raises(AsearcherError, match="nothing published"):
+      await asyncio.to_thread(remote.wait_loaded, 0.2)
+    remote.publisher.write(params, 0)
+    watchers[0].start()  # the second server is not watching yet
+    with pytest.raises(AsearcherError, match=r"engine1\.json \(runs its initial weights\)"):
+      await asyncio.to_thread(remote.wait_loaded, 0.5)
+    watchers[1].start()
+    await asyncio.to_thread(remote.wait_loaded, T)
+    assert [w.loaded for w in watchers] == [[0], [0]]
+
+    # Round-robin, one server per episode; both now compute the trainer's policy.
+    clients = [remote.client_for_episode() for _ in range(4)]
+    assert clients == [remote.clients[0], remote.clients[1]] * 2
+    greedy = SamplingParams(temperature=0.0)
+    outs = await asyncio.wait_for(
+      asyncio.gather(*(c.generate([5, 17, 42], greedy, 6, stop_token_ids=()) for c in clients)), T
+    )
+    assert all(o.tokens == outs[0].tokens and o.versions == [0] * 6 for o in outs)
+
+    await asyncio.to_thread(remote.start)
+    await asyncio.sleep(0.3)  # a poll or more
+    fleet = remote.stats()
+    each = [d.stats() for d in drivers]
+    assert fleet["servers_up"] == fleet["servers"] == 2 and fleet["slots"] == 2 + 3
+    assert fleet["tokens_generated"] == sum(s["tokens_generated"] for s in each) == 24
+    assert fleet["version"] == 0 and fleet["slot_occupancy"] == 0.0
+  finally:
+    remote.stop()
+    await remote.close_clients()
+    for w in watchers:
+      w.stop()
+    for s in servers:
+      await asyncio.wait_for(s.stop(), T)
