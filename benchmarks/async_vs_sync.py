@@ -459,6 +459,10 @@ def run_mode(
       "lag_s": round(time.perf_counter() - t1, 2),
     }
   steps_n = end["decode_steps"] - stats0["decode_steps"]
+  train_s = float(np.mean([m["timing/train_s"] for m in h]))
+  # per step (the trainer resets the rollout's samples every step): means of step means, max
+  group_s = float(np.mean([m["rollout/group_s"] for m in h if "rollout/group_s" in m] or [0.0]))
+  group_s_max = max([m.get("rollout/group_s_max", 0.0) for m in h], default=0.0)
   rows_n = (end["decode_rows_per_step"] * end["decode_steps"]
             - stats0["decode_rows_per_step"] * stats0["decode_steps"])  # fmt: skip
   return {
@@ -469,7 +473,7 @@ def run_mode(
     "steady_tokens_per_s": round(sum(trained[1:]) / steady, 1) if steady else None,
     "trainer_idle_frac": round(idle / wall, 4),
     "steady_idle_frac": round(steady_idle / steady, 4) if steady else None,
-    "train_s_mean": round(float(np.mean([m["timing/train_s"] for m in h])), 3),
+    "train_s_mean": round(train_s, 3),
     "sync_s_mean": round(float(np.mean([m["timing/sync_s"] for m in h])), 3),
     "occupancy": round(occ.mean, 4),
     "generated_tokens_per_s": round((float(end["tokens_generated"]) - tokens0) / wall, 1),
@@ -480,6 +484,13 @@ def run_mode(
     "tool_wait_s": round(search.waited_s, 1),
     "groups_accepted": int(ro.get("rollout/groups_accepted", 0)),
     "groups_rejected": int(staleness.stats()["rejected"]),
+    # Admission -> acceptance per group. The staleness rule keeps at most (eta + 1) x B groups
+    # in flight, so it can deliver B groups per training step only while the mean group latency
+    # stays under (eta + 1) step times (Little's law): capacity_ratio = (eta + 1) x train step /
+    # group latency; near or below 1, the trainer waits however fast the engine is.
+    "group_s_mean": round(group_s, 2),
+    "group_s_max": round(group_s_max, 2),
+    "capacity_ratio": round((eta + 1) * train_s / group_s, 3) if group_s else None,
     "rollout": {k.removeprefix("rollout/"): round(v, 3) for k, v in ro.items()},
     # Prefix reuse (DriverConfig.prefix_reuse): agent turns admitted into their previous turn's
     # parked slot, prompt tokens whose keys/values were reused vs prefilled during this mode.
@@ -617,7 +628,8 @@ def main(argv: list[str] | None = None) -> dict:
     else None
   )
   rows = ("wall_s", "trained_tokens_per_s", "trainer_idle_frac", "steady_idle_frac",
-          "occupancy", "generated_tokens_per_s", "staleness_max", "episodes", "tool_calls")  # fmt: skip
+          "occupancy", "generated_tokens_per_s", "staleness_max", "episodes", "tool_calls",
+          "group_s_mean", "capacity_ratio")  # fmt: skip
   print(
     f"{'':>26}{'sync':>12}{'async':>12}\n"
     + "\n".join(f"{k:>26}{sync[k]!s:>12}{asyn[k]!s:>12}" for k in rows)
@@ -631,6 +643,7 @@ def main(argv: list[str] | None = None) -> dict:
     "speedup_steady": None if steady is None else round(steady, 3),
     "trainer_idle_async": asyn["trainer_idle_frac"],
     "trainer_idle_sync": sync["trainer_idle_frac"],
+    "capacity_ratio_async": asyn["capacity_ratio"],
     "occupancy_async": asyn["occupancy"],
     "occupancy_sync": sync["occupancy"],
     "steps": w.steps,

@@ -257,12 +257,14 @@ class RolloutController:
 
   def metrics(self, *, reset: bool = True) -> dict[str, float]:
     """`rollout/*`: cumulative counters, and means of the per-trajectory samples since the last
-    reset (reward, accuracy, turns, tokens, tool calls, occupancy)."""
+    reset (reward, accuracy, turns, tokens, tool calls, occupancy, group latency and its max)."""
     with self._lock:
       out = {f"rollout/{k}": float(v) for k, v in self._stats.count.items()}
       for k, vs in self._stats.samples.items():
         if vs:
           out[f"rollout/{k}"] = float(np.mean(vs))
+      if self._stats.samples.get("group_s"):
+        out["rollout/group_s_max"] = float(np.max(self._stats.samples["group_s"]))
       if reset:
         self._stats.samples.clear()
       if isinstance(self.cursor, CurriculumCursor):
@@ -440,6 +442,9 @@ class RolloutController:
       return False
     self.staleness.on_accept()
     self._count(groups_accepted=1, trajectories_accepted=len(keep))
+    # Admission to acceptance: with at most (eta + 1) x B groups in flight (the staleness rule),
+    # the trainer is fed only if this stays under ~(eta + 1) training steps (Little's law).
+    self._sample(group_s=time.time() - created)
     return True
 
   async def _push(self, group: Group) -> bool:

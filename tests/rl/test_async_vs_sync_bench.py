@@ -42,6 +42,11 @@ def test_benchmark_runs_both_modes_and_reports(capsys):
   assert 0 <= last["occupancy_async"] <= 1
   for mode in (sync, asyn):
     assert mode["trained_tokens"] > 0 and mode["tool_calls"] > 0
+    # Group latency and the staleness rule's capacity, from the trainer's per-step metrics.
+    assert 0 < mode["group_s_mean"] <= mode["group_s_max"]
+  assert last["capacity_ratio_async"] == pytest.approx(
+    5 * asyn["train_s_mean"] / asyn["group_s_mean"], rel=0.02
+  )
 
 
 @pytest.mark.slow
