@@ -69,6 +69,19 @@ disjoint inference/training devices). On this 2-core machine it does not pay: 20
 sharing both cores 110.0 s, idle 0.40; process pinned 1 + 1 cores 130.9 s, idle 0.44 (HTTP and
 JSON per LLM call, a second GIL, and a one-core engine). It is there for machines with cores to
 split.
+
+What bounds async mode's trainer idle here is the staleness rule, not the engine. The rule keeps
+at most (eta + 1) x B = 20 groups in flight, and a group is done when its slowest episode is
+(K searches x ~1.3 s of tool wait, plus its LLM calls), so by Little's law it delivers B groups
+per step only while the mean group latency stays under (eta + 1) train steps. Each mode reports
+`group_s_mean` (admission to acceptance) and `capacity_ratio` = (eta + 1) x train step / group
+latency. Measured 2026-11-24, 10 steps: default workload 3.83x, idle 0.298 (steady 0.208), group
+latency 10.2 s (max 18.9) against a 2.56 s train step, capacity_ratio 1.26; the same run with
+`--tool-median-s 0.5`: 2.53x, idle 0.110, all of it the first batch (steady 0.0006), group
+latency 6.8 s, capacity_ratio 1.87, with the engine thread as busy. A faster engine shortens
+only the LLM share of a group's latency (the tool waits stay) and a faster trainer shortens the
+step, so more cores alone do not close the gap; a real model's train step (minutes) against
+the same tool latency does.
 """
 
 from __future__ import annotations
