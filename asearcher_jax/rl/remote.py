@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 # Per-step driver figures: averaged over servers, not summed.
 _MEAN = {"decode_rows_per_step", "last_update_ms"}
+# Gauges: what a server has now (the rest are counters since it started).
+_GAUGES = {
+  "slots", "slots_active", "slot_occupancy", "queue_depth", "version", "decode_tokens_per_s",
+  "decode_rows_per_step", "last_update_ms", "slots_parked",
+}  # fmt: skip
 
 
 class RemoteEngines:
@@ -71,6 +76,10 @@ class RemoteEngines:
     self._next = itertools.cycle(range(len(self.clients)))
     self._lock = threading.Lock()
     self._health: list[dict[str, Any] | None] = [None] * len(self.clients)
+    # Counters a server had before it restarted (they start again from 0), per server.
+    self._base: list[dict[str, float]] = [{} for _ in self.clients]
+    self._pid: list[int | None] = [None] * len(self.clients)  # from the address file
+    self._up = [False] * len(self.clients)  # answered the last poll
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -129,22 +138,28 @@ class RemoteEngines:
       self._thread = None
 
   def stats(self) -> dict[str, float]:
-    """The fleet as one engine: counters and rates summed (the servers run side by side),
-    per-step figures averaged, occupancy over all slots, the oldest version any server runs
-    (-1 while none has answered)."""
+    """The fleet as one engine: counters summed over every server's life (a restarted server's
+    counters continue from its predecessor's), gauges and rates summed over the servers up now,
+    per-step figures averaged, occupancy over their slots, the oldest version any runs (-1 while
+    none answers)."""
     with self._lock:
-      drivers = [h["driver"] for h in self._health if h is not None and "driver" in h]
+      last = [h.get("driver", {}) if h is not None else {} for h in self._health]
+      up = [d for d, ok in zip(last, self._up, strict=True) if ok and d]
+      bases = [dict(b) for b in self._base]
     out: dict[str, float] = {}
-    for d in drivers:
+    for d, b in zip(last, bases, strict=True):
+      for k, v in _add_counters(b, d).items():
+        out[k] = out.get(k, 0.0) + v
+    for d in up:
       for k, v in d.items():
-        if isinstance(v, int | float) and not isinstance(v, bool):
+        if k in _GAUGES and isinstance(v, int | float) and not isinstance(v, bool):
           out[k] = out.get(k, 0.0) + float(v)
     for k in _MEAN & set(out):
-      out[k] /= len(drivers)
+      out[k] /= len(up)
     slots = out.get("slots", 0.0)
     out["slot_occupancy"] = out.get("slots_active", 0.0) / slots if slots else 0.0
-    out["version"] = float(min((d.get("version", -1) for d in drivers), default=-1))
-    out["servers_up"] = float(len(drivers))
+    out["version"] = float(min((d.get("version", -1) for d in up), default=-1))
+    out["servers_up"] = float(len(up))
     out["servers"] = float(len(self.clients))
     return out
 
@@ -154,21 +169,49 @@ class RemoteEngines:
         self._fetch(i, timeout_s=max(self.poll_s, 2.0))
 
   def _fetch(self, i: int, *, timeout_s: float) -> dict[str, Any]:
-    """Server i's /health (cached for stats()); {} when it cannot be reached."""
+    """Server i's /health (recorded for stats()); {} when it cannot be reached."""
     try:
+      text = self.address_files[i].read_text()
       url = read_address(self.address_files[i]) + "/health"
       with urllib.request.urlopen(url, timeout=timeout_s) as r:
         health = json.loads(r.read())
+      pid = json.loads(text).get("pid") if text.lstrip().startswith("{") else None
     except (OSError, ValueError, KeyError, urllib.error.URLError) as e:
-      health = None
       log.debug("server %s: %s", self.address_files[i], e)
+      with self._lock:
+        self._up[i] = False
+      return {}
+    self._record(i, health, pid)
+    return health
+
+  def _record(self, i: int, health: dict[str, Any], pid: int | None) -> None:
+    """Keeps server i's latest answer. A new process behind the address file (another pid, or
+    counters that went backwards) starts its counters at 0: the old ones move to its base."""
     with self._lock:
-      self._health[i] = health
-    return health or {}
+      old = self._health[i]
+      if old is not None and (
+        (pid is not None and self._pid[i] is not None and pid != self._pid[i])
+        or _went_back(old.get("driver", {}), health.get("driver", {}))
+      ):
+        self._base[i] = _add_counters(self._base[i], old.get("driver", {}))
+      self._health[i], self._pid[i], self._up[i] = health, pid, True
 
   def _describe(self, i: int) -> str:
     with self._lock:
-      h = self._health[i]
+      h = self._health[i] if self._up[i] else None
     if h is None:
       return "not reachable"
     return f"runs {h.get('weights') or 'its initial weights'}"
+
+
+def _went_back(old: dict[str, Any], new: dict[str, Any]) -> bool:
+  return any(float(new.get(k, 0)) < float(old.get(k, 0)) for k in ("tokens_generated", "updates"))
+
+
+def _add_counters(base: dict[str, float], driver: dict[str, Any]) -> dict[str, float]:
+  """base + the counters (not gauges) of one driver's stats."""
+  out = dict(base)
+  for k, v in driver.items():
+    if k not in _GAUGES and isinstance(v, int | float) and not isinstance(v, bool):
+      out[k] = out.get(k, 0.0) + float(v)
+  return out

@@ -74,3 +74,34 @@ async def test_two_servers_one_weights_dir(tmp_path, make_driver):  # noqa: F811
       w.stop()
     for s in servers:
       await asyncio.wait_for(s.stop(), T)
+
+
+def test_fleet_counters_survive_a_server_restart(tmp_path):
+  """A server restarted behind its address file starts its counters at 0; the fleet's keep
+  counting from where its predecessor stopped. A server that stops answering keeps its counters
+  in the sum but no longer counts slots, occupancy or version."""
+  files = [tmp_path / "a.json", tmp_path / "b.json"]
+  remote = RemoteEngines(files, tmp_path / "w", nnx.split(tiny_model())[0], None)
+
+  def health(tokens: int, active: int, version: int) -> dict:
+    return {"driver": {"slots": 4, "slots_active": active, "tokens_generated": tokens,
+                       "updates": version, "version": version, "decode_s": tokens / 100}}  # fmt: skip
+
+  remote._record(0, health(100, 2, 3), pid=11)
+  remote._record(1, health(50, 1, 3), pid=12)
+  s = remote.stats()
+  assert (s["tokens_generated"], s["slots"], s["slot_occupancy"]) == (150, 8, 3 / 8)
+  assert s["version"] == 3 and s["servers_up"] == 2
+  remote._record(0, health(120, 2, 3), pid=11)  # same process, more tokens
+  assert remote.stats()["tokens_generated"] == 170
+  remote._record(0, health(10, 0, 3), pid=13)  # a new process behind a.json
+  s = remote.stats()
+  assert s["tokens_generated"] == 180 and s["decode_s"] == pytest.approx(1.8)
+  assert s["slots_active"] == 1 and s["updates"] == 9
+  remote._record(1, health(5, 1, 0), pid=None)  # no pid known: counters going back tell
+  s = remote.stats()
+  assert s["tokens_generated"] == 185 and s["version"] == 0
+  assert remote._fetch(1, timeout_s=0.1) == {}  # b.json does not exist: down
+  s = remote.stats()
+  assert s["tokens_generated"] == 185 and s["servers_up"] == 1 and s["slots"] == 4
+  assert s["version"] == 3
