@@ -295,6 +295,14 @@ class Trainer:
       metrics.update(self.rollout.metrics())
     metrics.update(self.replay.metrics())
     metrics.update({f"staleness/{k}": float(v) for k, v in self.staleness.stats().items()})
+    if metrics.get("rollout/group_s") and "timing/train_s" in metrics:
+      # The staleness rule keeps at most (eta + 1) x B groups in flight, so it can deliver B
+      # groups per step only while a group takes under ~(eta + 1) steps (Little's law); near or
+      # below 1 the trainer waits whatever the engine's speed: raise eta or shorten episodes.
+      eta = self.staleness.config.max_staleness
+      metrics["perf/staleness_capacity_ratio"] = (
+        (eta + 1) * metrics["timing/train_s"] / metrics["rollout/group_s"]
+      )
     if self.engine_stats is not None:
       s = self.engine_stats()
       tokens = float(s.get("tokens_generated", 0.0))

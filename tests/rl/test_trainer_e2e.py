@@ -190,7 +190,13 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
   ]
   assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
   assert {"rollout/reward", "perf/trainer_idle_frac", "ppo/clip_frac", "ppo/imp_weight_mean",
-          "rollout/engine_occupancy", "staleness/hist_1"} <= set().union(*metrics)  # fmt: skip
+          "rollout/engine_occupancy", "staleness/hist_1", "rollout/group_s",
+          "perf/staleness_capacity_ratio"} <= set().union(*metrics)  # fmt: skip
+  for m in metrics:  # (eta + 1) x train step / group latency, from the same step's figures
+    if "perf/staleness_capacity_ratio" in m:
+      assert m["perf/staleness_capacity_ratio"] == pytest.approx(
+        2 * m["timing/train_s"] / m["rollout/group_s"]
+      )
 
 
 def test_eta0_is_synchronous(tmp_path, byte_tok_dir):
