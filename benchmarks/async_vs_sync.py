@@ -215,7 +215,7 @@ class EngineServer:
     self.weights_dir = tmp / "weights"
     self.address_file = tmp / "engine.json"
     self.cpus = cpus
-    every = set(range(os.cpu_count() or 1))
+    every = os.sched_getaffinity(0)  # the cores this process may use, not all the host has
     self.trainer_cpus = (every - cpus) or every if cpus else None
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: its own XLA runtime
     self.process = ctx.Process(
@@ -224,8 +224,8 @@ class EngineServer:
         # the same random init as the learner: same config, same seed
         model=model_config(w), tokenizer_dir=str(tmp / "tok"), seed=w.seed,
         engine=engine_config(w), driver=driver_config(w), address_file=str(self.address_file),
-        weights_dir=str(self.weights_dir), weights_poll_s=0.01, warmup_modes=("sample",) if w.warmup else (),
-        cpus=tuple(sorted(cpus or ())),
+        weights_dir=str(self.weights_dir), weights_poll_s=0.01,
+        warmup_modes=("sample",) if w.warmup else (), cpus=tuple(sorted(cpus or ())),
       ),
     )  # fmt: skip
     self.process.start()

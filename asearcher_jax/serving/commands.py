@@ -118,9 +118,10 @@ def serve(
     max_body_bytes: largest HTTP request body.
     serve_seconds: stop after this long (smoke runs and tests); None: until a signal.
     seed: init seed of the random policy.
-    weights_dir: a trainer's `DirectoryWeightPublisher` root: every newer version published
-      there is loaded and swapped in between decode steps (disaggregated RL: the trainer and
-      this server are separate programs); None: the weights never change.
+    weights_dir: a trainer's `DirectoryWeightPublisher` root (disaggregated RL: the trainer and
+      this server are separate programs): the version its LATEST pointer names is loaded
+      before the address is announced, and each one published later is swapped in between
+      decode steps; None: the weights never change.
     weights_poll_s: how often to look for a newer version in weights_dir.
     warmup_modes: sampling modes ("greedy", "sample", "truncate") to compile every engine shape
       for before the address is announced, so no request pays a compile; (): compile on demand.
@@ -170,8 +171,12 @@ async def _serve(
     watcher = DirectoryWeightWatcher(weights_dir, driver, poll_s=weights_poll_s)
     # A server (re)started mid-run loads the current version before it announces itself, so
     # no request is served by the initial weights under a version they are not.
-    if await asyncio.to_thread(watcher.poll_once) is not None:
-      log.info("serving version %d from %s", watcher.version, weights_dir)
+    try:
+      if await asyncio.to_thread(watcher.poll_once) is not None:
+        log.info("serving version %d from %s", watcher.version, weights_dir)
+    except Exception as e:  # unreadable weights: refuse to serve rather than serve the init
+      await asyncio.to_thread(driver.close)
+      raise AsearcherError(f"cannot load the published weights in {weights_dir}: {e}") from e
     watcher.start()
   api = OpenAIServer(
     driver, api_config,

@@ -215,3 +215,23 @@ def test_pin_cpus_narrows_and_widens_again():
     assert os.sched_getaffinity(0) == before  # a refused pin leaves the mask as it was
   finally:
     os.sched_setaffinity(0, before)
+
+
+def test_serve_model_refuses_to_serve_its_init_when_the_published_weights_are_unreadable(
+  tmp_path,
+):
+  """A LATEST pointer to a missing or torn version: a clear error at start, not a server that
+  answers with its own init under a version that is not its weights."""
+  from asearcher_jax.errors import AsearcherError
+  from asearcher_jax.model.config import ModelConfig
+  from asearcher_jax.serving import commands
+
+  weights = tmp_path / "weights"
+  weights.mkdir()
+  (weights / "LATEST").write_text(json.dumps({"version": 3, "path": "v00000003", "time": 1.0}))
+  tiny = ModelConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1,
+                     num_heads=2, num_kv_heads=1, max_position_embeddings=64)  # fmt: skip
+  addr = tmp_path / "addr.json"
+  with pytest.raises(AsearcherError, match="cannot load the published weights"):
+    commands.serve(model=tiny, weights_dir=str(weights), address_file=str(addr), serve_seconds=5)
+  assert not addr.exists()  # never announced
