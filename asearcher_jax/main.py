@@ -20,16 +20,16 @@ from asearcher_jax.errors import AsearcherError
 # Subcommand -> "module:function". Imported lazily so `asearcher --help` stays fast and a broken
 # optional dependency of one subcommand does not break the others.
 SUBCOMMANDS: dict[str, str] = {
-  "demo": "asearcher_jax.demo:run",
-  "serve-model": "asearcher_jax.serving.commands:serve",
-  "index": "asearcher_jax.tools.retrieval.commands:build_index",
-  "serve-retrieval": "asearcher_jax.tools.retrieval.commands:serve",
-  "train": "asearcher_jax.rl.commands:train",
-  "sft": "asearcher_jax.training.commands:sft",
-  "eval": "asearcher_jax.evaluation.commands:evaluate",
-  "synth": "asearcher_jax.data.synthesis.commands:synth",
-  "quickstart": "asearcher_jax.quickstart.pipeline:quickstart",
-  "warm-start": "asearcher_jax.quickstart.warm_start:warm_start",
+  "demo": "asearcher_jax.apps.demo:run",
+  "serve-model": "asearcher_jax.apps.serve_model:serve",
+  "index": "asearcher_jax.apps.index:build_index",
+  "serve-retrieval": "asearcher_jax.apps.serve_retrieval:serve",
+  "train": "asearcher_jax.apps.train:train",
+  "sft": "asearcher_jax.apps.sft:sft",
+  "eval": "asearcher_jax.apps.evaluate:evaluate",
+  "synth": "asearcher_jax.apps.synth:synth",
+  "quickstart": "asearcher_jax.apps.quickstart:quickstart",
+  "warm-start": "asearcher_jax.apps.warm_start:warm_start",
 }
 
 # Where gin files are looked up: the working directory, then the repository root. Includes are

@@ -111,16 +111,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig, Limits
+from asearcher_jax.apps import serve_model as serving_commands
+from asearcher_jax.apps.train import smoke_scorer
 from asearcher_jax.model import steps, transformer
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.rl.commands import smoke_scorer
 from asearcher_jax.rl.learner import Learner, PPOConfig
 from asearcher_jax.rl.replay import Group, ReplayConfig, ReplayQueue
 from asearcher_jax.rl.rollout import QAItem, RolloutConfig, RolloutController
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, InProcessWeightSync
-from asearcher_jax.serving import commands as serving_commands
 from asearcher_jax.serving.client import RemoteClientConfig, RemoteGenerationClient, read_address
 from asearcher_jax.serving.driver import KV_ON_UPDATE, Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from asearcher_jax.apps.quickstart import DEFAULT_WARM_START
 from asearcher_jax.model import hf_io, steps
-from asearcher_jax.quickstart.pipeline import DEFAULT_WARM_START
 from asearcher_jax.rl.learner import Learner, PPOConfig
 
 CELLS = 8192

@@ -27,10 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from asearcher_jax.data.synthesis import RoleConfig, Seed, SynthConfig, run_synthesis  # noqa: E402
-from asearcher_jax.data.synthesis.commands import local_endpoint, seeds_from_pages  # noqa: E402
+from asearcher_jax.apps.synth import local_endpoint, seeds_from_pages  # noqa: E402
 from asearcher_jax.model import presets  # noqa: E402
 from asearcher_jax.serving.engine import EngineConfig  # noqa: E402
+from asearcher_jax.synthesis import RoleConfig, Seed, SynthConfig, run_synthesis  # noqa: E402
 from asearcher_jax.testing import synth_toyworld as W  # noqa: E402
 from asearcher_jax.testing.synth_scripted import ScriptedServer  # noqa: E402
 

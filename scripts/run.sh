@@ -31,6 +31,7 @@ case "$cmd" in
   test)
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
+    "$VENV/bin/lint-imports"
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
   *)

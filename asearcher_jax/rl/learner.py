@@ -26,10 +26,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from asearcher_jax.model import packing, steps
 from asearcher_jax.model import sharding as sharding_lib
-from asearcher_jax.model import steps
 from asearcher_jax.rl import advantages as adv_lib
-from asearcher_jax.rl import losses, packing
+from asearcher_jax.rl import losses
 from asearcher_jax.rl.replay import Group
 
 # Arrays of a device minibatch; every minibatch has exactly these keys so jit never retraces on

@@ -34,13 +34,9 @@ from flax import nnx
 
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.rl.staleness import StalenessManager
-from asearcher_jax.rl.weight_sync import (
-  DirectoryWeightPublisher,
-  PolicySource,
-  WeightSyncConfig,
-  read_latest,
-)
+from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, PolicySource, WeightSyncConfig
 from asearcher_jax.serving.client import RemoteClientConfig, RemoteGenerationClient, read_address
+from asearcher_jax.serving.weights_dir import read_latest
 
 log = logging.getLogger(__name__)
 

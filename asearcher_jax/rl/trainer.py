@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from asearcher_jax.checkpoint import Checkpointer, abstract_like
-from asearcher_jax.metrics import MetricWriter
+from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.replay import Group, ReplayQueue
 from asearcher_jax.rl.rollout import RolloutController

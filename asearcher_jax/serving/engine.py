@@ -29,7 +29,7 @@ from flax import nnx
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.kv_cache import KVCache
 from asearcher_jax.model.transformer import Transformer
-from asearcher_jax.serving.jetstream import engine_api, tokenizer_pb2
+from asearcher_jax.serving.jetstream import JetStreamTokenizer, engine_api, tokenizer_pb2
 from asearcher_jax.serving.sampling import SamplingMode, mode_for, sample
 from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
@@ -598,8 +598,6 @@ class Engine(engine_api.Engine):
     return tokenizer_pb2.TokenizerParameters(path="hf")
 
   def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> Any:
-    from asearcher_jax.serving.jetstream_server import JetStreamTokenizer
-
     return JetStreamTokenizer(self.tokenizer)
 
   @property

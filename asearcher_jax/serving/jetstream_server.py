@@ -35,53 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from asearcher_jax.serving.engine import LENGTH, VALID, Engine, Prefix, VersionedParams
-from asearcher_jax.serving.jetstream import engine_api, import_core, tokenizer_api, tokenizer_pb2
-from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.serving.jetstream import (
+  JetStreamTokenizer,
+  engine_api,
+  import_core,
+  pad_ids,
+  tokenizer_pb2,
+)
 
 log = logging.getLogger(__name__)
 _core = import_core()
-
-
-class JetStreamTokenizer(tokenizer_api.Tokenizer):
-  """Our Tokenizer as JetStream's: encode pads to a power of two (>= 16) and never truncates."""
-
-  def __init__(self, tokenizer: Tokenizer):
-    self.tokenizer = tokenizer
-
-  def encode(self, s: str, **kwargs) -> tuple[jax.Array | np.ndarray, int]:
-    """Returns (padded ids, true length). `is_bos` is ignored (Qwen has no BOS token);
-    `max_prefill_length` is not applied here: the engine rejects prompts that do not fit rather
-    than silently dropping their head, as 0.2.2's `pad_tokens` would."""
-    ids = self.tokenizer.encode(s)
-    return pad_ids(ids, self.pad_id, jax_padding=kwargs.get("jax_padding", True))
-
-  def decode(self, token_ids: list[int], **kwargs) -> str:
-    return self.tokenizer.decode(token_ids)
-
-  @property
-  def pad_id(self) -> int:
-    return self.tokenizer.pad_id
-
-  @property
-  def eos_id(self) -> int:
-    return self.tokenizer.eos_id
-
-  @property
-  def bos_id(self) -> int:
-    # Qwen has no BOS; nothing here prepends one (see `_Driver`). The pad id keeps the type.
-    return self.tokenizer.pad_id
-
-  @property
-  def stop_tokens(self) -> set[int]:
-    return set(self.tokenizer.stop_token_ids)
-
-
-def pad_ids(ids, pad_id: int, *, jax_padding: bool = True) -> tuple[jax.Array | np.ndarray, int]:
-  n = len(ids)
-  width = max(16, 1 << max(n - 1, 0).bit_length())
-  padded = np.full((width,), pad_id, np.int32)
-  padded[:n] = np.asarray(ids, np.int32)
-  return (jnp.asarray(padded) if jax_padding else padded), n
 
 
 @functools.partial(jax.jit, static_argnums=3)

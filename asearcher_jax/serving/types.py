@@ -90,3 +90,13 @@ class GenerationClient(Protocol):
     """Continues `token_ids`. stop: strings that end generation (kept in the output);
     stop_token_ids: None means the tokenizer's stop tokens (<|im_end|>, <|endoftext|>)."""
     ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedCall:
+  """One generation call as a client saw it (scripted clients and the SynthWiki expert log these)."""
+
+  input_ids: list[int]
+  result: GenerationResult
+  stop: tuple[str, ...]
+  max_new_tokens: int

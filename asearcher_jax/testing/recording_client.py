@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 
-from asearcher_jax.serving.types import GenerationClient, GenerationResult, SamplingParams
-from asearcher_jax.testing.scripted_client import RecordedCall
+from asearcher_jax.serving.types import (
+  GenerationClient,
+  GenerationResult,
+  RecordedCall,
+  SamplingParams,
+)
 
 
 class RecordingClient:

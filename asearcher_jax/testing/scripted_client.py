@@ -12,23 +12,14 @@ trajectory with what the "engine" really received and produced.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable, Sequence
 
-from asearcher_jax.serving.types import GenerationResult, SamplingParams
+from asearcher_jax.serving.types import GenerationResult, RecordedCall, SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
 
 Output = str | Sequence[int] | GenerationResult
 # (decoded context, call index) -> the model's next output.
 Policy = Callable[[str, int], Output]
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordedCall:
-  input_ids: list[int]
-  result: GenerationResult
-  stop: tuple[str, ...]
-  max_new_tokens: int
 
 
 def fake_logprob(token: int, position: int) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from asearcher_jax.data.synthesis.oracle import OracleQuery
+from asearcher_jax.synthesis.oracle import OracleQuery
 from asearcher_jax.testing import synth_toyworld as W
 
 

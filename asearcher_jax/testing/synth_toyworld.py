@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from asearcher_jax.data.synthesis.links import LinkGraph
-from asearcher_jax.data.synthesis.oracle import TripleOracle
+from asearcher_jax.synthesis.links import LinkGraph
+from asearcher_jax.synthesis.oracle import TripleOracle
 from asearcher_jax.tools.retrieval.corpus import PageStore
 
 URL = "https://toy.world/"

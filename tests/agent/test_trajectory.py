@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from asearcher_jax.agent.trajectory import LLMCall, Trajectory, merge_calls
-from asearcher_jax.rl.packing import pack, unpack
+from asearcher_jax.model.packing import pack, unpack
 
 
 def _call(i, inp, out, stop="stop", version=0):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asearcher_jax.rl.packing import (
+from asearcher_jax.model.packing import (
   balanced_partition,
   bucket_rows,
   first_fit_decreasing,

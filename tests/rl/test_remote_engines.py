@@ -13,10 +13,10 @@ from flax import nnx
 
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.rl.remote import RemoteEngines
-from asearcher_jax.rl.weight_sync import DirectoryWeightWatcher
 from asearcher_jax.serving.client import RemoteClientConfig
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
 from asearcher_jax.serving.types import SamplingParams
+from asearcher_jax.serving.weights_dir import DirectoryWeightWatcher
 from tests.serving.conftest import make_driver, tiny_model, tokenizer  # noqa: F401
 
 T = 60

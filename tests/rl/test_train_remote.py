@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asearcher_jax.apps import serve_model as serving_commands
 from asearcher_jax.errors import AsearcherError
-from asearcher_jax.serving import commands as serving_commands
 from asearcher_jax.serving.client import read_address
 from asearcher_jax.serving.engine import EngineConfig
 from tests.rl.test_trainer_e2e import (

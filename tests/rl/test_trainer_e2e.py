@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import train as commands
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.rl import commands
 from asearcher_jax.rl.replay import (
   CONSUMED_LOG,
   GROUPS_LOG,
@@ -216,7 +216,7 @@ GIN = """
 from __gin__ import dynamic_registration
 from asearcher_jax.agent import asearcher
 from asearcher_jax.model import presets
-from asearcher_jax.rl import commands
+from asearcher_jax.apps import train as commands
 from asearcher_jax.serving import engine
 
 include 'gin/runs/train.gin'

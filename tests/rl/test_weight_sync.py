@@ -20,14 +20,12 @@ from asearcher_jax.rl.learner import Learner, PPOConfig
 from asearcher_jax.rl.replay import Group
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.weight_sync import (
-  LATEST,
   DirectoryWeightPublisher,
-  DirectoryWeightWatcher,
   InProcessWeightSync,
   WeightSyncConfig,
-  read_latest,
 )
 from asearcher_jax.serving.types import SamplingParams
+from asearcher_jax.serving.weights_dir import LATEST, DirectoryWeightWatcher, read_latest
 from tests.serving.conftest import VOCAB, make_driver, tiny_model, tokenizer  # noqa: F401
 
 

@@ -182,8 +182,8 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
 
 
 def test_serve_model_refuses_bad_new_options_before_loading_anything():
+  from asearcher_jax.apps import serve_model as commands
   from asearcher_jax.errors import AsearcherError
-  from asearcher_jax.serving import commands
 
   with pytest.raises(AsearcherError, match="cannot pin to cores"):
     commands.serve(cpus=(10_000,), serve_seconds=0.1)
@@ -198,8 +198,8 @@ def test_pin_cpus_narrows_and_widens_again():
   full set afterwards; widening back must not be mistaken for asking for forbidden cores."""
   import os
 
+  from asearcher_jax.apps import serve_model as commands
   from asearcher_jax.errors import AsearcherError
-  from asearcher_jax.serving import commands
 
   before = os.sched_getaffinity(0)
   if len(before) < 2:
@@ -222,9 +222,9 @@ def test_serve_model_refuses_to_serve_its_init_when_the_published_weights_are_un
 ):
   """A LATEST pointer to a missing or torn version: a clear error at start, not a server that
   answers with its own init under a version that is not its weights."""
+  from asearcher_jax.apps import serve_model as commands
   from asearcher_jax.errors import AsearcherError
   from asearcher_jax.model.config import ModelConfig
-  from asearcher_jax.serving import commands
 
   weights = tmp_path / "weights"
   weights.mkdir()

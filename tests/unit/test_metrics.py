@@ -5,7 +5,7 @@ from unittest import mock
 
 import jax.numpy as jnp
 
-from asearcher_jax.metrics import MetricWriter
+from asearcher_jax.metric_writer import MetricWriter
 
 
 def test_writes_jsonl_and_tensorboard_on_host0(tmp_path):

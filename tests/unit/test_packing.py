@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asearcher_jax.rl.packing import first_fit_decreasing, pack, unpack
+from asearcher_jax.model.packing import first_fit_decreasing, pack, unpack
 
 
 @given(st.lists(st.integers(1, 32), min_size=1, max_size=40))

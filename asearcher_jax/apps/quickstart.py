@@ -1,0 +1,332 @@
+"""`asearcher quickstart`: the whole system on one machine, offline, in minutes, visibly learning.
+
+Stages (a progress display shows which one runs and the ETA):
+
+  world     generate SynthWiki (the seed of the shipped warm start; its held-out questions were
+            never seen by it), the world tokenizer and the BM25 index; start the real retrieval
+            server on 127.0.0.1;
+  load      the shipped SFT warm start into the in-process engine; build the RL run (driver,
+            decoupled-PPO learner, staleness manager, replay queue, rollout controller);
+  eval_sft  Avg@k / Pass@k of the warm start on held-out questions (the real evaluation harness);
+  rl        fully asynchronous RL (eta = 4) on the train split for a fixed time budget;
+  eval_rl   the same evaluation with the RL policy;
+  report    summary.json, report.md, PNG training curves; TensorBoard logs and checkpoints stay in
+            the run directory.
+
+Re-running with the same run directory resumes: finished evaluation questions are reused and RL
+continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from asearcher_jax.agent import AsearcherAgentConfig, Limits
+from asearcher_jax.agent.registry import agent_factory
+from asearcher_jax.apps import quickstart_report as report
+from asearcher_jax.apps import train as rl_commands
+from asearcher_jax.apps.stages import StageTracker
+from asearcher_jax.apps.world import RetrievalThread, WorldFiles, prepare_world
+from asearcher_jax.data.qa import load_qa_file
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.evaluation import report as eval_report
+from asearcher_jax.evaluation.runner import EvalRunner, RunnerConfig
+from asearcher_jax.model import steps
+from asearcher_jax.rl.learner import PPOConfig
+from asearcher_jax.rl.rollout import QAItem, RolloutConfig
+from asearcher_jax.serving.driver import DriverConfig
+from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.serving.types import SamplingParams
+from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+from asearcher_jax.tools.search import LocalRetrievalConfig
+from asearcher_jax.tools.toolbox import make_toolbox
+
+log = logging.getLogger(__name__)
+
+_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+# The shipped warm start (see its model_card.md for the command that made it).
+DEFAULT_WARM_START = _ASSETS / "checkpoints" / "synthwiki_sft"
+# The agent's budgets in the quickstart: the compact SynthWiki prompt, 3 documents per search.
+QUICKSTART_AGENT = AsearcherAgentConfig(
+  prompt="synthwiki", topk=3, max_turns=16, max_tokens=2048, max_new_tokens=64
+)
+# The world of the shipped warm start: seed 0, 256 entities, ~3,200 verified questions (many
+# distinct questions, so SFT learns to copy entity names instead of memorising answers).
+QUICKSTART_WORLD = SynthWikiConfig(
+  seed=0, questions_per_hop=(1000, 1000, 600, 300), num_comparisons=300
+)
+QUICKSTART_ENGINE = EngineConfig(
+  max_slots=32, max_seq_len=2048, prefill_buckets=(256, 512, 1024, 2048), suffix_buckets=(256,)
+)
+
+
+def _sha256(path: Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_tokenizer(world: WorldFiles, warm_start: Path) -> None:
+  """The warm start must speak the world's tokenizer (same seed and world config)."""
+  mine, theirs = world.tokenizer / "tokenizer.json", warm_start / "tokenizer.json"
+  if not theirs.exists():
+    raise AsearcherError(f"no tokenizer.json in the warm start {warm_start}")
+  if _sha256(mine) != _sha256(theirs):
+    raise AsearcherError(
+      f"the warm start {warm_start} was trained on a different SynthWiki world (tokenizer "
+      "differs): use the world seed and config from its model_card.md"
+    )
+
+
+def evaluate(
+  *,
+  client: Any,
+  tokenizer: Any,
+  questions: Path,
+  retrieval_address: str,
+  out_dir: Path,
+  policy: str,
+  k: int,
+  limit: int | None,
+  temperature: float,
+  agent: AsearcherAgentConfig,
+  concurrency: int,
+  seed: int,
+) -> dict[str, float]:
+  """Avg@k / Pass@k (EM and F1), mean tool calls and turns of `client` on held-out questions,
+  through the real evaluation harness (snapshots per question: a rerun resumes)."""
+  examples = load_qa_file(questions, name="synthwiki_test")[:limit]
+
+  async def go() -> Path:
+    toolbox = make_toolbox(
+      local=LocalRetrievalConfig(addresses=(retrieval_address,)), config=agent.toolbox_config()
+    )
+    try:
+      runner = EvalRunner(
+        config=RunnerConfig(
+          output_dir=str(out_dir), num_runs=k, seed=seed, concurrency=concurrency, progress=False
+        ),
+        agent_factory=agent_factory(
+          "asearcher", agent, client=client, tokenizer=tokenizer, toolbox=toolbox,
+          limits=Limits(llm_timeout_s=600.0, tool_timeout_s=60.0),
+        ),
+        identity={"agent": "asearcher", "agent_config": dataclasses.asdict(agent),
+                  "policy": policy},
+        sampling=SamplingParams(temperature=temperature),
+        toolbox=toolbox,
+      )  # fmt: skip
+      await runner.run({"synthwiki_test": examples})
+      return runner.run_dir
+    finally:
+      await asyncio.wait_for(toolbox.close(), 30)
+
+  run_dir = asyncio.run(go())
+  summary = eval_report.write_report(run_dir)
+  ds = summary["datasets"]["synthwiki_test"]
+  return {
+    "avg_em": ds["avg@k"]["em"],
+    "pass_em": ds["pass@k"]["em"],
+    "avg_f1": ds["avg@k"]["f1"],
+    "pass_f1": ds["pass@k"]["f1"],
+    "tool_calls": ds["mean_tool_calls"],
+    "turns": ds["mean_turns"],
+    "n": ds["n"],
+    "k": ds["k"],
+    "run_dir": str(run_dir),
+  }
+
+
+def rl_pool(
+  files: WorldFiles, which: str, eval_questions: int | None, kinds: tuple[str, ...] | None = None
+) -> list[QAItem]:
+  """The RL question pool (see `quickstart`'s rl_questions): "train", or "heldout" = the test
+  split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
+  training questions and the evaluation; only questions of `kinds` (QAItem.bucket) if given."""
+  if which == "train":
+    items = rl_commands.load_qa(files.train)
+  elif which == "heldout":
+    items = rl_commands.load_qa(files.test)[eval_questions:] if eval_questions is not None else []
+    if not items:
+      raise AsearcherError(
+        "rl_questions='heldout' needs test questions beyond the evaluated ones: set "
+        "eval_questions below the test split's size, or rl_questions='train'"
+      )
+  else:
+    raise AsearcherError(f"rl_questions must be 'heldout' or 'train', got {which!r}")
+  if kinds is not None:
+    found = sorted({it.bucket for it in items})
+    items = [it for it in items if it.bucket in kinds]
+    if not items:
+      raise AsearcherError(f"no RL question of kinds {kinds}; the pool has {found}")
+  return items
+
+
+def quickstart(
+  *,
+  run_dir: str = "runs/quickstart",
+  warm_start_dir: str | None = None,
+  world: SynthWikiConfig = QUICKSTART_WORLD,
+  eval_questions: int | None = 64,
+  k: int = 4,
+  temperature: float = 1.0,
+  rl_seconds: float = 420.0,
+  rl_max_steps: int = 1000,
+  batch_groups: int = 2,
+  group_size: int = 8,
+  max_staleness: int = 4,
+  max_concurrent: int = 12,
+  learning_rate: float = 1e-4,
+  ppo_minibatches: int = 1,
+  ppo_epochs: int = 1,
+  curriculum: bool = False,
+  rl_questions: str = "heldout",
+  rl_kinds: tuple[str, ...] | None = None,
+  kv_on_update: str = "recompute",
+  agent: AsearcherAgentConfig = QUICKSTART_AGENT,
+  engine: EngineConfig = QUICKSTART_ENGINE,
+  eval_concurrency: int = 32,
+  batch_timeout_s: float = 900.0,
+  seed: int = 0,
+) -> int:
+  """Runs the quickstart; prints the before/after table and a JSON summary as the last line.
+
+  Args:
+    run_dir: everything this run writes (world, evaluations, RL checkpoints/metrics, report).
+    warm_start_dir: an SFT model directory (config.json, safetensors, tokenizer); default: the
+      shipped SynthWiki warm start.
+    world: the SynthWiki world; must be the warm start's (checked through its tokenizer).
+    eval_questions: held-out test questions evaluated (the first N of the test split).
+    k: samples per question (Avg@k, Pass@k).
+    temperature: sampling temperature of evaluation and RL alike.
+    rl_seconds: wall-clock budget of the RL stage (steps end at the first one past it).
+    rl_max_steps: upper bound on RL steps.
+    batch_groups / group_size / max_staleness / max_concurrent: B, n, eta, groups in flight.
+    learning_rate: AdamW learning rate of the RL learner.
+    ppo_minibatches: optimizer steps per pass over an RL batch (split into minibatches).
+    ppo_epochs: passes over each RL batch (all clipped around the pre-step policy).
+    curriculum: draw RL questions through the learnability curriculum (`rl.cursors`): kinds of
+      questions whose recent groups were all-equal are sampled less.
+    rl_questions: where RL draws its questions. "heldout": the test split minus the evaluated
+      questions, i.e. questions neither the warm start nor the evaluation has seen; "train": the
+      warm start's own SFT questions. Measured on the first (700-step) warm start (T = 1, 4
+      samples, 64 questions): seen 1-hop questions score 19.5 % Avg@4, unseen ones 7.4 %, so on
+      "train" much of the RL reward comes from recalling memorised answers, not from searching.
+    rl_kinds: only RL questions of these kinds (SynthWiki: "chain-1" .. "chain-4",
+      "comparison-2"); None = all.
+    kv_on_update: what the engine does with in-flight keys/values when RL publishes new weights
+      (`DriverConfig.kv_on_update`): "recompute" re-prefills them, "keep" continues over them.
+    agent / engine: the agent's budgets and the in-process engine's slots and context.
+    eval_concurrency: questions evaluated at once.
+    batch_timeout_s: fail the RL stage if no batch of accepted groups arrives within this long.
+    seed: evaluation seed (runs use seed + r).
+  """
+  t0 = time.time()
+  root = Path(run_dir)
+  warm = Path(warm_start_dir) if warm_start_dir else DEFAULT_WARM_START
+  if not (warm / "config.json").exists():
+    raise AsearcherError(f"no warm start at {warm} (config.json missing)")
+  tracker = StageTracker([
+    ("world", 3), ("load", 20), ("eval_sft", 90), ("rl", rl_seconds + 30), ("eval_rl", 90),
+    ("report", 3),
+  ])  # fmt: skip
+  with tracker.stage("world"):
+    _, files = prepare_world(root / "world", world)
+    check_tokenizer(files, warm)
+    rl_items = rl_pool(files, rl_questions, eval_questions, rl_kinds)
+  addr_dir = root / "rl" / "retrieval_addrs"
+  with RetrievalThread(files.index, addr_dir=addr_dir) as server:
+    with tracker.stage("load"):
+      run = rl_commands.build_run(
+        run_dir=str(root / "rl"), model_dir=str(warm), tokenizer_dir=str(warm),
+        items=rl_items, train_steps=rl_max_steps,
+        batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent,
+        engine=engine, agent=agent,
+        driver=DriverConfig(request_timeout_s=600.0, kv_on_update=kv_on_update),
+        # micro_rows=4: a minibatch of 8 rows of 2,048 tokens needed ~5 GB of XLA:CPU
+        # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
+        # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
+        # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
+        ppo=PPOConfig(
+          row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
+          row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
+          ppo_n_minibatches=ppo_minibatches, ppo_epochs=ppo_epochs, micro_rows=4,
+        ),
+        optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
+        rollout=RolloutConfig(
+          group_size=group_size, episode_timeout_s=600.0, seed=seed, curriculum=curriculum
+        ),
+        reward="answer", temperature=temperature, search=True, batch_timeout_s=batch_timeout_s,
+      )  # fmt: skip
+      # Compile every prefill/decode shape now, so evaluation times are not compile times.
+      warm_s = run.engine.warmup(modes=("sample",) if temperature > 0 else ("greedy",))
+      log.info("engine warmup: %.1f s", warm_s)
+    try:
+      common = dict(
+        client=run.driver, tokenizer=run.tokenizer, questions=files.test,
+        retrieval_address=server.address, k=k, limit=eval_questions, temperature=temperature,
+        agent=agent, concurrency=eval_concurrency, seed=seed,
+      )  # fmt: skip
+      with tracker.stage("eval_sft"):
+        before = evaluate(**common, out_dir=root / "eval", policy=f"sft:{_sha256_dir(warm)}")
+      with tracker.stage("rl") as st:
+        resumed = run.trainer.restore()
+        run.rollout.start()
+        run.rollout.add_closer(run.toolbox.close)
+        t_rl = time.perf_counter()
+
+        def progress(m: dict[str, float]) -> None:
+          frac = (time.perf_counter() - t_rl) / max(rl_seconds, 1e-9)
+          st.update(frac, f"step {run.learner.version}, reward {m.get('rollout/reward', 0):.2f}")
+
+        run.trainer.run(max_seconds=rl_seconds, on_step=progress)
+        run.rollout.stop()
+      with tracker.stage("eval_rl"):
+        after = evaluate(
+          **common, out_dir=root / "eval", policy=f"rl:{root.resolve()}:v{run.learner.version}"
+        )
+      version = run.learner.version
+    finally:
+      run.close()
+  with tracker.stage("report"):
+    rows = report.read_metrics(root / "rl" / "metrics" / "metrics.jsonl")
+    curves = report.curves(rows)
+    report.write_plots(curves, root / "report")
+    tool_calls = curves["rollout/tool_calls"]
+    summary = {
+      "avg4_sft": before["avg_em"], "avg4_rl": after["avg_em"],
+      "pass4_sft": before["pass_em"], "pass4_rl": after["pass_em"],
+      "f1_avg4_sft": before["avg_f1"], "f1_avg4_rl": after["avg_f1"],
+      "eval_tool_calls_sft": before["tool_calls"], "eval_tool_calls_rl": after["tool_calls"],
+      "eval_turns_sft": before["turns"], "eval_turns_rl": after["turns"],
+      "tool_calls_first_steps": report.window_mean(tool_calls, first=True),
+      "tool_calls_last_steps": report.window_mean(tool_calls, first=False),
+      "rl_steps": version, "rl_resumed_from": resumed, "eta": max_staleness,
+      "k": k, "num_test_questions": before["n"], "world_seed": world.seed,
+      "world_digest": files.digest, "warm_start": str(warm),
+      "stages": tracker.timings(),
+      "stages_peak_rss_mb": tracker.peak_rss(),
+      "wall_s": round(time.time() - t0, 1),
+      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }  # fmt: skip
+    out = root / "report"
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "report.md").write_text(report.format_markdown(summary))
+  print(report.format_markdown(summary))
+  print(f"report: {out}/report.md, summary.json, training.png; tensorboard --logdir {root}/rl")
+  print(json.dumps(summary), flush=True)
+  return 0
+
+
+def _sha256_dir(d: Path) -> str:
+  """Short identity of a model directory (its weights), so evaluations of other weights never
+  reuse these snapshots."""
+  h = hashlib.sha256()
+  for p in sorted(d.glob("*.safetensors")):
+    h.update(p.read_bytes())
+  return h.hexdigest()[:16]

@@ -1,0 +1,194 @@
+"""`asearcher serve-model`: the policy behind the OpenAI facade (and optionally JetStream gRPC).
+
+A keyword-only function that gin binds; it runs with no gin file at all (a random qwen2-tiny
+policy, the packaged tokenizer, a loopback server on a free port), which is what smoke runs and
+tests use. Remote rollout workers find the server through its address file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.model.loading import load_policy
+from asearcher_jax.serving.driver import Driver, DriverConfig
+from asearcher_jax.serving.engine import Engine, EngineConfig
+from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
+from asearcher_jax.serving.weights_dir import DirectoryWeightWatcher
+
+log = logging.getLogger(__name__)
+
+
+def pin_cpus(cpus: Iterable[int]) -> None:
+  """Restricts every thread of this process (XLA's pools included) to `cpus` (Linux). Threads
+  started later inherit it from the thread that starts them. The kernel silently drops cores
+  the process may not use, so the calling thread's mask is read back: a narrower one is an
+  error, not a quieter pin. Widening again after a narrower pin is allowed."""
+  wanted = set(cpus)
+  before = os.sched_getaffinity(0)
+  try:
+    os.sched_setaffinity(0, wanted)
+    got = os.sched_getaffinity(0)
+  except (OSError, ValueError, OverflowError) as e:
+    got = f"none ({e})"
+  if got != wanted:
+    os.sched_setaffinity(0, before)
+    raise AsearcherError(f"cannot pin to cores {sorted(wanted)}: the kernel granted {got}")
+  for tid in os.listdir("/proc/self/task"):
+    with contextlib.suppress(ProcessLookupError):  # a thread that just exited
+      os.sched_setaffinity(int(tid), wanted)
+
+
+def write_address(path: Path, addresses: dict[str, str]) -> None:
+  """Atomically writes `{"http": "ip:port", "grpc": "ip:port"?, "pid": ...}` to `path`."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps({**addresses, "pid": os.getpid()}))
+  tmp.replace(path)
+
+
+def serve(
+  *,
+  model_dir: str | None = None,
+  model: ModelConfig | None = None,
+  tokenizer_dir: str | None = None,
+  engine: EngineConfig = EngineConfig(),
+  driver: DriverConfig = DriverConfig(),
+  host: str = "127.0.0.1",
+  port: int = 0,
+  address_file: str | None = None,
+  grpc_port: int | None = None,
+  model_name: str = "asearcher-policy",
+  request_timeout_s: float = 600.0,
+  max_body_bytes: int = 8 << 20,
+  serve_seconds: float | None = None,
+  seed: int = 0,
+  weights_dir: str | None = None,
+  weights_poll_s: float = 1.0,
+  warmup_modes: tuple[str, ...] = (),
+  cpus: tuple[int, ...] = (),
+) -> int:
+  """Serves the policy until SIGINT/SIGTERM (or for `serve_seconds`); returns the exit code.
+
+  Args:
+    model_dir: Hugging Face Qwen2/Qwen3 checkpoint directory; None: a random `model` policy.
+    model: architecture of the random policy (default: the qwen2-tiny preset).
+    tokenizer_dir: tokenizer files; default: model_dir's, else the packaged Qwen2 vocabulary.
+    engine: slots, context length and prefill buckets.
+    driver: the RL driver's settings (request timeout, admission per step).
+    host: interface for both servers; loopback by default, "0.0.0.0" only on a trusted network.
+    port: HTTP port of the OpenAI facade; 0 picks a free one.
+    address_file: where to write the bound addresses (JSON: http, grpc, pid); removed at exit.
+    grpc_port: also serve JetStream's gRPC `Orchestrator` on this port (0: a free one); None: no.
+    model_name: the model id the facade reports.
+    request_timeout_s: longest one HTTP request may take.
+    max_body_bytes: largest HTTP request body.
+    serve_seconds: stop after this long (smoke runs and tests); None: until a signal.
+    seed: init seed of the random policy.
+    weights_dir: a trainer's `DirectoryWeightPublisher` root (disaggregated RL: the trainer and
+      this server are separate programs): the version its LATEST pointer names is loaded
+      before the address is announced, and each one published later is swapped in between
+      decode steps; None: the weights never change.
+    weights_poll_s: how often to look for a newer version in weights_dir.
+    warmup_modes: sampling modes ("greedy", "sample", "truncate") to compile every engine shape
+      for before the address is announced, so no request pays a compile; (): compile on demand.
+    cpus: the cores this server may use (a trainer on the same host gets the others); (): all.
+  """
+  if weights_poll_s <= 0:
+    raise AsearcherError(f"weights_poll_s must be > 0, got {weights_poll_s}")
+  bad = set(warmup_modes) - {"greedy", "sample", "truncate"}
+  if bad:
+    raise AsearcherError(f"unknown warmup_modes {sorted(bad)}: use greedy, sample, truncate")
+  if cpus:
+    pin_cpus(cpus)
+  policy, tokenizer, what = load_policy(model_dir, model, tokenizer_dir, seed)
+  eng = Engine.from_model(policy, tokenizer, engine)
+  api_config = OpenAIServerConfig(
+    host=host, port=port, model_name=model_name, request_timeout_s=request_timeout_s,
+    max_body_bytes=max_body_bytes,
+  )  # fmt: skip
+  log.info("serving %s: %d slots x %d tokens", what, engine.max_slots, engine.max_seq_len)
+  if warmup_modes:
+    log.info("compiled the engine in %.1f s", eng.warmup(modes=tuple(warmup_modes)))
+  asyncio.run(
+    _serve(eng, driver, api_config, grpc_port, address_file, serve_seconds, weights_dir,
+           weights_poll_s)
+  )  # fmt: skip
+  return 0
+
+
+async def _serve(
+  eng: Engine,
+  driver_config: DriverConfig,
+  api_config: OpenAIServerConfig,
+  grpc_port: int | None,
+  address_file: str | None,
+  serve_seconds: float | None,
+  weights_dir: str | None = None,
+  weights_poll_s: float = 1.0,
+) -> None:
+  stop = asyncio.Event()
+  loop = asyncio.get_running_loop()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+      loop.add_signal_handler(sig, stop.set)
+  driver = Driver(eng, driver_config)
+  watcher = None
+  if weights_dir is not None:
+    watcher = DirectoryWeightWatcher(weights_dir, driver, poll_s=weights_poll_s)
+    # A server (re)started mid-run loads the current version before it announces itself, so
+    # no request is served by the initial weights under a version they are not.
+    try:
+      if await asyncio.to_thread(watcher.poll_once) is not None:
+        log.info("serving version %d from %s", watcher.version, weights_dir)
+    except Exception as e:  # unreadable weights: refuse to serve rather than serve the init
+      await asyncio.to_thread(driver.close)
+      raise AsearcherError(f"cannot load the published weights in {weights_dir}: {e}") from e
+    watcher.start()
+  api = OpenAIServer(
+    driver, api_config,
+    health_extra=None if watcher is None else lambda: {"weights": watcher.status()},
+  )  # fmt: skip
+  grpc_server = None
+  addr_path = Path(address_file) if address_file else None
+  t0 = time.perf_counter()
+  try:
+    try:
+      http_port = await api.start()
+    except OSError as e:  # e.g. the port is taken: the user's to fix, so one line, no traceback
+      raise AsearcherError(f"cannot serve HTTP on {api_config.host}:{api_config.port}: {e}") from e
+    addresses = {"http": f"{api_config.host}:{http_port}"}
+    print(f"serve-model: OpenAI API on http://{addresses['http']}/v1", flush=True)
+    if grpc_port is not None:
+      from asearcher_jax.serving.jetstream_server import GrpcServerConfig, JetStreamGrpcServer
+
+      grpc_server = JetStreamGrpcServer(eng, GrpcServerConfig(host=api_config.host, port=grpc_port))
+      try:
+        addresses["grpc"] = f"{api_config.host}:{await grpc_server.start()}"
+      except OSError as e:
+        grpc_server = None
+        raise AsearcherError(str(e)) from e
+      print(f"serve-model: JetStream gRPC on {addresses['grpc']}", flush=True)
+    if addr_path is not None:
+      write_address(addr_path, addresses)
+    with contextlib.suppress(TimeoutError):
+      await asyncio.wait_for(stop.wait(), serve_seconds)
+  finally:
+    if addr_path is not None:
+      addr_path.unlink(missing_ok=True)
+    if grpc_server is not None:
+      await grpc_server.stop()
+    await api.stop()
+    if watcher is not None:
+      await asyncio.to_thread(watcher.stop)
+    await asyncio.to_thread(driver.close)
+    print(f"serve-model: stopped after {time.perf_counter() - t0:.0f} s", flush=True)

@@ -1,0 +1,59 @@
+"""`asearcher serve-retrieval`: the retrieval server (`/retrieve`, `/access`, `/health`).
+
+Runs with no gin file at all: the shipped corpus's BM25 index (built first if missing) on a
+loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from asearcher_jax.apps.index import default_index_dir
+from asearcher_jax.tools.retrieval.corpus import CorpusError, default_corpus_paths
+from asearcher_jax.tools.retrieval.index import build_index_dir, load_encoder, load_index
+from asearcher_jax.tools.retrieval.server import RetrievalServerConfig, run_server
+
+log = logging.getLogger(__name__)
+
+
+def serve(
+  *,
+  index_dir: str | None = None,
+  host: str = "127.0.0.1",
+  port: int = 8000,
+  addr_dir: str | None = None,
+  default_topk: int = 3,
+  max_topk: int = 100,
+  max_batch: int = 512,
+  max_inflight: int = 1024,
+  max_request_bytes: int = 1 << 20,
+  encoder: str | None = None,
+) -> int:
+  """Serves `/retrieve`, `/access` and `/health` until interrupted.
+
+  With no `index_dir`, the shipped corpus's index is used and built first if missing (about a
+  second). `encoder` overrides the manifest's encoder spec for a dense index.
+  """
+  if index_dir is None:
+    out = default_index_dir()
+    build_index_dir(corpus=default_corpus_paths(), index_dir=out, show_progress=False)
+  else:
+    out = Path(index_dir)
+  if not out.exists():
+    raise CorpusError(f"index directory {out} does not exist (run `asearcher index` first)")
+  index = load_index(out, encoder=load_encoder(encoder) if encoder else None)
+  log.info("loaded index %s in %.2f s", out, index.manifest["load_s"])
+  config = RetrievalServerConfig(
+    host=host,
+    port=port,
+    addr_dir=addr_dir,
+    default_topk=default_topk,
+    max_topk=max_topk,
+    max_batch=max_batch,
+    max_inflight=max_inflight,
+    max_request_bytes=max_request_bytes,
+  )
+  asyncio.run(run_server(index, config))
+  return 0

@@ -1,0 +1,37 @@
+"""The policy and its tokenizer, as every program that owns one starts from them.
+
+A Hugging Face checkpoint (weights straight into their shardings via `hf_io`), or a random model of a
+given config that is written nowhere (smoke runs, tests). The tokenizer follows the checkpoint when it
+ships one, else the packaged Qwen2 vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flax import nnx
+
+from asearcher_jax.model import hf_io, presets, transformer
+from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.tokenizer import Tokenizer
+
+
+def load_policy(
+  model_dir: str | None, model: ModelConfig | None, tokenizer_dir: str | None, seed: int = 0
+) -> tuple[transformer.Transformer, Tokenizer, str]:
+  """(model, tokenizer, description): a HF checkpoint, or a random model of `model` (default
+  qwen2-tiny) that is written nowhere. The tokenizer comes from `tokenizer_dir`, else from
+  `model_dir` when it holds tokenizer files, else the packaged Qwen2 vocabulary."""
+  if model_dir is not None:
+    policy, cfg = hf_io.load(model_dir)
+    what = f"{model_dir} ({cfg.model_type}, {cfg.num_layers} layers)"
+  else:
+    cfg = model or presets.model_config(name="qwen2-tiny")
+    policy = transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
+    what = f"a random {cfg.model_type} policy ({cfg.num_params() / 1e6:.1f}M params)"
+  tok_dir = tokenizer_dir
+  if tok_dir is None and model_dir is not None:
+    has = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "vocab.json"))
+    tok_dir = model_dir if has else None
+  tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.qwen2()
+  return policy, tokenizer, what

@@ -1,0 +1,61 @@
+"""The package layering (.importlinter) holds, and `lint-imports` really catches a forbidden import.
+
+The second test lints a copy of the package with one upward import added: if the contracts stopped
+catching it (a contract dropped, a layer renamed), CI's own lint run would be passing vacuously.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
+  env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+  return subprocess.run(
+    [str(LINT), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+  )
+
+
+def _copy_package(dest: Path) -> Path:
+  shutil.copytree(
+    ROOT / "asearcher_jax",
+    dest / "asearcher_jax",
+    ignore=shutil.ignore_patterns("assets", "__pycache__"),
+  )
+  shutil.copy(ROOT / ".importlinter", dest / ".importlinter")
+  return dest
+
+
+def test_the_package_keeps_its_layers():
+  out = _lint(ROOT, ROOT)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "0 broken" in out.stdout
+
+
+@pytest.mark.parametrize(
+  ("module", "forbidden", "contract"),
+  [
+    ("serving/types.py", "from asearcher_jax.rl import reward", "Serving imports no RL"),
+    ("model/config.py", "from asearcher_jax.serving import types", "The model knows nothing"),
+    ("agent/base.py", "from asearcher_jax.model import transformer", "Agents talk to a generation"),
+    ("tools/budget.py", "from asearcher_jax.apps import train", "Nothing but main imports apps"),
+    ("data/qa.py", "from asearcher_jax.synthwiki import world", "Package layers"),
+  ],
+)
+def test_a_forbidden_import_breaks_the_lint(tmp_path, module, forbidden, contract):
+  copy = _copy_package(tmp_path)
+  target = copy / "asearcher_jax" / module
+  target.write_text(target.read_text() + f"\n{forbidden}  # added by the test\n")
+  out = _lint(copy, copy)
+  assert out.returncode != 0, out.stdout
+  broken = [line for line in out.stdout.splitlines() if line.endswith("BROKEN")]
+  assert any(line.startswith(contract) for line in broken), out.stdout
