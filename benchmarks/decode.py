@@ -19,6 +19,7 @@ the weight update run with them, as RL does.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -151,14 +152,21 @@ def run_transformers(
 def main() -> None:
   tok = Tokenizer.qwen2()
   global VOCAB
-  name = sys.argv[1] if len(sys.argv) > 1 else "qwen2-tiny"
-  cfg = presets.model_config(name=name)
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("model", nargs="?", default="qwen2-tiny", help="model preset")
+  parser.add_argument(
+    "--dtype", choices=("float32", "bfloat16"), default="float32",
+    help="engine weights and activations (bfloat16: what an accelerator serves)",
+  )  # fmt: skip
+  args = parser.parse_args()
+  name = args.model
+  cfg = presets.model_config(name=name, param_dtype=args.dtype, dtype=args.dtype)
   VOCAB = min(cfg.vocab_size, 20000)
   model = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
   hf_dir = tempfile.mkdtemp(prefix="decode_bench_")
   hf_io.save(model, hf_dir)
   print(f"model: {name} ({cfg.num_params() / 1e6:.1f}M params), prompt {PROMPT_LEN}, "
-        f"new tokens {NEW_TOKENS}, jax on {jax.devices()[0].platform}", flush=True)  # fmt: skip
+        f"new tokens {NEW_TOKENS}, {args.dtype}, jax on {jax.devices()[0].device_kind}", flush=True)  # fmt: skip
   out: dict = {}
   for batch in (1, 8, 32):
     prompts = make_prompts(max(batch, 8) if batch > 1 else 4, seed=batch)
@@ -231,6 +239,8 @@ def main() -> None:
   driver.close()
   print(f"weight update with 16 in-flight slots: {[round(m, 1) for m in update_ms]} ms", flush=True)
   result = {
+    "device": jax.devices()[0].device_kind,
+    "dtype": args.dtype,
     "vs_transformers_b32": out["b32"]["vs_transformers"],
     "vs_transformers_b32_logprobs": out["b32"]["vs_transformers_logprobs"],
     "vs_static_longtail": round(longtail["driver_tok_s"] / longtail["static_tok_s"], 2),

@@ -1,10 +1,16 @@
-"""Throughput of the jitted train step (AdamW) against the machine's own matmul peak.
+"""Throughput and peak memory of the jitted train step (AdamW) against the machine's matmul peak.
 
 Runs with no arguments. For each model config it reports tokens/s of a full train step (forward,
-backward, AdamW update) on packed [rows, seq_len] batches, and the ratio of the achieved matmul
-FLOP/s (6 x forward FLOPs per token, attention counted causally) to the peak FLOP/s of a large
-float32 matmul measured in the same process, so the ratio is comparable across machines.
-The last line is one JSON object.
+backward, AdamW update) on packed [rows, seq_len] batches, peak device memory of the step, and the
+ratio of the achieved matmul FLOP/s (6 x forward FLOPs per token, attention counted causally) to
+the peak FLOP/s of a large matmul in the compute dtype measured in the same process, so the ratio
+is comparable across machines. On a chip whose datasheet bf16 peak is known (`CHIP_PEAK_TFLOPS`)
+it also reports MFU against that peak.
+
+`--dtype bfloat16` is mixed precision: float32 parameters and Adam moments, bfloat16 activations
+and matmul inputs. On an accelerator the default configs add the real Qwen2.5-0.5B architecture
+(random init, remat, one 2,048-token row per device); on CPU that config is opt-in
+(`--configs qwen2.5-0.5b`: ~8 GB of host memory). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -37,17 +43,50 @@ def _time(fn, *, warmup: int, iters: int) -> float:
   return best
 
 
-def peak_matmul_flops(n: int = 2048) -> float:
-  """Best-of-10 float32 [n, n] @ [n, n] throughput."""
-  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
-  b = jnp.asarray(np.random.default_rng(1).standard_normal((n, n)), jnp.float32)
+# Dense bf16 datasheet peaks (TFLOP/s) by `jax.Device.device_kind`, for MFU.
+CHIP_PEAK_TFLOPS = {
+  "NVIDIA H100 80GB HBM3": 989.0,  # H100 SXM
+  "NVIDIA H100 PCIe": 756.0,
+  "NVIDIA H200": 989.0,
+  "TPU v4": 275.0,
+  "TPU v5 lite": 197.0,  # v5e
+  "TPU v5": 459.0,  # v5p
+  "TPU v6 lite": 918.0,  # v6e
+}
+# On an accelerator, Qwen2.5-0.5B (the real architecture) joins the default configs.
+CONFIGS = {
+  "qwen2-tiny": dict(rows=4, seq_len=256),
+  "bench-30m": dict(rows=8, seq_len=512),
+  "qwen2.5-0.5b": dict(rows=4, seq_len=2048, remat=True),
+}
+
+
+def peak_matmul_flops(n: int = 2048, dtype=jnp.float32) -> float:
+  """Best-of-10 [n, n] @ [n, n] throughput in `dtype`, on random data."""
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
+  b = jnp.asarray(np.random.default_rng(1).standard_normal((n, n)), dtype)
   mm = jax.jit(lambda x, y: x @ y)
   secs = _time(lambda: mm(a, b).block_until_ready(), warmup=2, iters=10)
   return 2 * n**3 / secs
 
 
-def bench_config(name: str, rows: int, seq_len: int, iters: int) -> dict:
-  cfg = presets.model_config(name=name)
+def peak_memory_bytes(compiled) -> tuple[int | None, str]:
+  """(bytes, how): the device allocator's peak where it keeps one (GPU/TPU), else XLA's compiled
+  memory analysis of the step (arguments + outputs + temporaries, less donated aliases)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"]), "allocator_peak"
+  m = compiled.memory_analysis()
+  if m is None:
+    return None, "unknown"
+  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+  return int(total - m.alias_size_in_bytes), "compiled_analysis"
+
+
+def bench_config(
+  name: str, rows: int, seq_len: int, iters: int, dtype: str = "float32", remat: bool = False
+) -> dict:
+  cfg = presets.model_config(name=name, param_dtype="float32", dtype=dtype, remat=remat)
   graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
   opt = steps.make_optimizer(steps.OptimizerConfig(learning_rate=1e-4))
   state = steps.init_train_state(params, opt)
@@ -60,6 +99,7 @@ def bench_config(name: str, rows: int, seq_len: int, iters: int) -> dict:
     "loss_mask": jnp.ones((rows, seq_len), jnp.float32),
   }
   step = steps.compile_train_step(graphdef, opt, steps.nll_loss, state)
+  compiled = step.lower(state, batch).compile()
   holder = {"state": state}
 
   def run_one():
@@ -71,8 +111,13 @@ def bench_config(name: str, rows: int, seq_len: int, iters: int) -> dict:
   # Useful FLOPs only: causal attention counts half the score matrix (the masked half is not
   # work, whatever the kernel does with it); backward = 2x forward.
   flops = 3 * tokens * cfg.matmul_flops_per_token(seq_len)
+  peak_bytes, how = peak_memory_bytes(compiled)
   out = {
     "params_m": round(cfg.num_params() / 1e6, 2),
+    "dtype": dtype,
+    "remat": remat,
+    "peak_memory_gb": None if peak_bytes is None else round(peak_bytes / 1e9, 3),
+    "peak_memory_from": how,
     "rows": rows,
     "seq_len": seq_len,
     "step_s": round(secs, 4),
@@ -85,20 +130,36 @@ def bench_config(name: str, rows: int, seq_len: int, iters: int) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--iters", type=int, default=5)
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), default=None)
   args = parser.parse_args()
+  device = jax.devices()[0]
+  on_cpu = device.platform == "cpu"
+  names = args.configs or [n for n in CONFIGS if not (on_cpu and n == "qwen2.5-0.5b")]
+  mm_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+  n = 2048 if on_cpu else 8192
   # The higher of two peak measurements (before and after the configs): a conservative ratio.
-  peak = peak_matmul_flops()
-  print(f"peak float32 matmul: {peak / 1e9:.1f} GFLOP/s on {jax.devices()[0].platform} "
+  peak = peak_matmul_flops(n, mm_dtype)
+  print(f"peak {args.dtype} matmul: {peak / 1e12:.2f} TFLOP/s on {device.device_kind} "
         f"x{jax.device_count()}", flush=True)  # fmt: skip
-  runs = {
-    "qwen2-tiny": bench_config("qwen2-tiny", rows=4, seq_len=256, iters=args.iters),
-    "bench-30m": bench_config("bench-30m", rows=8, seq_len=512, iters=args.iters),
+  runs = {}
+  for name in names:
+    spec = dict(CONFIGS[name])
+    rows = spec.pop("rows") * (1 if on_cpu else jax.device_count())
+    runs[name] = bench_config(name, rows=rows, iters=args.iters, dtype=args.dtype, **spec)
+  peak = max(peak, peak_matmul_flops(n, mm_dtype))
+  chip = CHIP_PEAK_TFLOPS.get(device.device_kind)
+  results = {
+    "device": device.device_kind,
+    "dtype": args.dtype,
+    "peak_matmul_tflops": round(peak / 1e12, 3),
+    "chip_peak_bf16_tflops": chip,
   }
-  peak = max(peak, peak_matmul_flops())
-  results = {"peak_gflops": round(peak / 1e9, 2)}
   for name, r in runs.items():
     r["tflops"] = round(r.pop("flops") / r["step_s"] / 1e12, 4)
     r["flops_ratio"] = round(r["tflops"] * 1e12 / peak, 3)
+    if chip is not None and args.dtype == "bfloat16":
+      r["mfu"] = round(r["tflops"] / (chip * jax.device_count()), 4)
     results[name] = r
     print(f"{name:>12}: {r}", flush=True)
   print(json.dumps(results))
