@@ -33,7 +33,9 @@ from asearcher_jax.agent import AsearcherAgentConfig, Limits
 from asearcher_jax.agent.registry import agent_factory
 from asearcher_jax.apps import quickstart_report as report
 from asearcher_jax.apps import train as rl_commands
+from asearcher_jax.apps import wiring
 from asearcher_jax.apps.stages import StageTracker
+from asearcher_jax.apps.train_config import AgentChoice, LearnerConfig, TrainConfig
 from asearcher_jax.apps.world import RetrievalThread, WorldFiles, prepare_world
 from asearcher_jax.data.qa import load_qa_file
 from asearcher_jax.errors import AsearcherError
@@ -42,6 +44,7 @@ from asearcher_jax.evaluation.runner import EvalRunner, RunnerConfig
 from asearcher_jax.model import steps
 from asearcher_jax.rl.learner import PPOConfig
 from asearcher_jax.rl.rollout import QAItem, RolloutConfig
+from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.serving.types import SamplingParams
@@ -242,26 +245,37 @@ def quickstart(
   addr_dir = root / "rl" / "retrieval_addrs"
   with RetrievalThread(files.index, addr_dir=addr_dir) as server:
     with tracker.stage("load"):
-      run = rl_commands.build_run(
-        run_dir=str(root / "rl"), model_dir=str(warm), tokenizer_dir=str(warm),
-        items=rl_items, train_steps=rl_max_steps,
-        batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent,
-        engine=engine, agent=agent,
-        driver=DriverConfig(request_timeout_s=600.0, kv_on_update=kv_on_update),
-        # micro_rows=4: a minibatch of 8 rows of 2,048 tokens needed ~5 GB of XLA:CPU
-        # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
-        # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
-        # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
-        ppo=PPOConfig(
-          row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
-          row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
-          ppo_n_minibatches=ppo_minibatches, ppo_epochs=ppo_epochs, micro_rows=4,
+      config = TrainConfig(
+        train_steps=rl_max_steps, batch_timeout_s=batch_timeout_s, reward="answer",
+        temperature=temperature, seed=seed,
+        staleness=StalenessConfig(
+          batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent
         ),
-        optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
+        engine=engine,
+        driver=DriverConfig(request_timeout_s=600.0, kv_on_update=kv_on_update),
+        agent=AgentChoice(name="asearcher", configs={"asearcher": agent}),
+        tools=wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=(server.address,))),
         rollout=RolloutConfig(
           group_size=group_size, episode_timeout_s=600.0, seed=seed, curriculum=curriculum
         ),
-        reward="answer", temperature=temperature, search=True, batch_timeout_s=batch_timeout_s,
+        learner=LearnerConfig(
+          # micro_rows=4: a minibatch of 8 rows of 2,048 tokens needed ~5 GB of XLA:CPU
+          # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
+          # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
+          # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
+          ppo=PPOConfig(
+            row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
+            row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
+            ppo_n_minibatches=ppo_minibatches, ppo_epochs=ppo_epochs, micro_rows=4,
+          ),
+          optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
+        ),
+      )  # fmt: skip
+      run = rl_commands.build_run(
+        config,
+        run_dir=str(root / "rl"),
+        policy=wiring.policy(model_dir=str(warm), tokenizer_dir=str(warm)),
+        items=rl_items,
       )  # fmt: skip
       # Compile every prefill/decode shape now, so evaluation times are not compile times.
       warm_s = run.engine.warmup(modes=("sample",) if temperature > 0 else ("greedy",))

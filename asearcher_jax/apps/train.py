@@ -1,14 +1,18 @@
-"""`asearcher train`: asynchronous RL of a search agent on one machine.
+"""`asearcher train`: asynchronous RL of any registered agent with any toolbox, on one machine.
 
-A keyword-only function that gin binds; with no gin file at all it trains a random qwen2-tiny
-policy on the shipped HotpotQA-100 questions, with the real retrieval server (BM25 over the
-shipped corpus) on 127.0.0.1, the ASearcher agent and the in-process engine. `build_run` wires
-the pieces (used by the tests too); `train` runs them and prints a JSON summary as its last line.
+`train` is the keyword-only function gin binds: a `TrainConfig` (apps/train_config.py: engine,
+driver, agent, tools, rollout, replay, staleness, learner, remote engines) plus the run's inputs
+and outputs. gin/runs/train.gin (the default) trains a random qwen2-tiny policy on the shipped
+HotpotQA-100 questions with the ASearcher agent, the real retrieval server (BM25 over the shipped
+corpus) on 127.0.0.1 and the in-process engine; `tools.kind = "web"` gives the agents Serper
+search and the Jina reader (or direct fetching) under the record/replay cache and the cost
+budget. `build_run` wires the pieces (used by the tests and the quickstart too); `train` runs
+them and prints a JSON summary as its last line.
 
 Threads: the learner on the caller's thread, rollouts + tools + the retrieval server on the
 rollout controller's asyncio thread, the engine on the driver's thread. With
-`engine_address_files` the engine is elsewhere instead: `serve-model` servers that load each
-version from `weights_dir` (`rl.remote`: AReaL's disaggregated layout).
+`remote.address_files` the engine is elsewhere instead: `serve-model` servers that load each
+version from `remote.weights_dir` (`rl.remote`: AReaL's disaggregated layout).
 """
 
 from __future__ import annotations
@@ -20,41 +24,40 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
 
 import jax
 import numpy as np
 from flax import nnx
 
-from asearcher_jax.agent import Agent, AsearcherAgentConfig, Limits, registry
+from asearcher_jax.agent import Agent, Limits, registry
 from asearcher_jax.agent.trajectory import Trajectory
+from asearcher_jax.apps import wiring
+from asearcher_jax.apps.train_config import TrainConfig
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metric_writer import MetricWriter
-from asearcher_jax.model import steps
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.loading import load_policy
 from asearcher_jax.rl import reward as reward_lib
-from asearcher_jax.rl.learner import Learner, PPOConfig
+from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
-from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
-from asearcher_jax.rl.rollout import QAItem, RolloutConfig, RolloutController, Scorer, answer_scorer
-from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
+from asearcher_jax.rl.replay import ReplayQueue
+from asearcher_jax.rl.rollout import (
+  AgentSource,
+  QAItem,
+  RolloutController,
+  Scorer,
+  answer_scorer,
+)
+from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.rl.weight_sync import InProcessWeightSync
 from asearcher_jax.serving.client import RemoteClientConfig
-from asearcher_jax.serving.driver import Driver, DriverConfig
-from asearcher_jax.serving.engine import Engine, EngineConfig
-from asearcher_jax.serving.types import SamplingParams
-from asearcher_jax.tools.search import LocalRetrievalConfig
-from asearcher_jax.tools.toolbox import ToolBox, make_toolbox
+from asearcher_jax.serving.driver import Driver
+from asearcher_jax.serving.engine import Engine
+from asearcher_jax.serving.types import GenerationClient, SamplingParams
+from asearcher_jax.tools.toolbox import ToolBox
 
 log = logging.getLogger(__name__)
-
-# CPU-sized defaults: short agent budgets so a random tiny policy finishes a step in seconds.
-DEFAULT_ENGINE = EngineConfig(max_slots=8, max_seq_len=1024, prefill_buckets=(512, 1024))
-DEFAULT_AGENT = AsearcherAgentConfig(max_turns=2, max_new_tokens=16, max_tokens=1024)
-DEFAULT_ROLLOUT = RolloutConfig()
 
 DEFAULT_QA = (
   Path(__file__).resolve().parents[1] / "assets" / "qa" / "hipporag_hotpotqa_train100.json.gz"
@@ -117,6 +120,7 @@ def smoke_scorer(trajs: Sequence[Trajectory]) -> list[float | None]:
 class TrainRun:
   """Every live object of a run; `close()` tears them down in reverse order."""
 
+  config: TrainConfig
   tokenizer: object
   engine: Engine | None  # None: generation on remote servers
   driver: Driver | None
@@ -131,24 +135,26 @@ class TrainRun:
   toolbox: ToolBox | None = None
   retrieval: object | None = None
   remote: RemoteEngines | None = None
-  engine_wait_s: float = 600.0
 
   def start(self, *, retrieval_index_dir: str | None = None) -> int | None:
     """Restores the latest checkpoint (returns its version, None for a fresh run), starts the
-    rollout loop, the retrieval server on it (if the agent has tools), then admits groups."""
+    rollout loop, the run's own retrieval server on it (local tools), then admits groups."""
     version = self.trainer.restore()  # a resumed run publishes its restored version
     if self.remote is not None:
       if version is None:
         self.remote.publish(self.learner)  # servers may have started from any init
       self.remote.start()
-      self.remote.wait_loaded(self.engine_wait_s)
+      self.remote.wait_loaded(self.config.remote.wait_s)
     self.rollout.pause()  # no episode before the tools are up
     self.rollout.start()
     if self.remote is not None:
       self.rollout.add_closer(self.remote.close_clients)
     if self.toolbox is not None:
       self.rollout.add_closer(self.toolbox.close)
-      start_retrieval(self, retrieval_index_dir)
+      if self.config.tools.own_server:
+        self.retrieval = wiring.start_retrieval_server(
+          self.rollout, retrieval_index_dir, self.run_dir / RETRIEVAL_ADDRS
+        )
     self.rollout.resume()
     return version
 
@@ -163,98 +169,74 @@ class TrainRun:
     self.replay.close()
 
 
+# Where the run's own retrieval server announces its address (inside run_dir).
+RETRIEVAL_ADDRS = "retrieval_addrs"
+
+
 def build_run(
-  *,
-  run_dir: str,
-  model_dir: str | None = None,
-  model: ModelConfig | None = None,
-  tokenizer_dir: str | None = None,
-  items: Sequence[QAItem] | None = None,
-  train_steps: int = 4,
-  batch_groups: int = 2,
-  max_staleness: int = 1,
-  max_concurrent: int | None = None,
-  engine: EngineConfig = DEFAULT_ENGINE,
-  driver: DriverConfig = DriverConfig(request_timeout_s=600.0),
-  agent_name: str = "asearcher",
-  agent: Any = DEFAULT_AGENT,
-  ppo: PPOConfig | None = None,
-  optimizer: steps.OptimizerConfig | None = None,
-  rollout: RolloutConfig = DEFAULT_ROLLOUT,
-  reward: Literal["auto", "answer", "smoke"] = "auto",
-  temperature: float = 1.0,
-  search: bool = True,
-  checkpoint_every: int = 1,
-  batch_timeout_s: float = 600.0,
-  seed: int = 0,
-  engine_address_files: Sequence[str] = (),
-  weights_dir: str | None = None,
-  engine_wait_s: float = 600.0,
-  engine_client: RemoteClientConfig | None = None,
+  config: TrainConfig, *, run_dir: str, policy: wiring.Policy, items: Sequence[QAItem]
 ) -> TrainRun:
-  """Builds (does not start) a run; see `train` for the arguments."""
+  """Builds (does not start) a run of `config` in `run_dir`: `policy` is trained (the engine
+  gets its own copy of the parameters) on `items`; see `train`."""
   run = Path(run_dir)
-  if engine_address_files and weights_dir is None:
+  remote_cfg = config.remote
+  if remote_cfg.enabled and remote_cfg.weights_dir is None:
     raise AsearcherError(
       "engine_address_files needs weights_dir: the directory the servers load versions from"
     )
-  if agent is DEFAULT_AGENT and agent_name != "asearcher":
-    agent = None  # that agent's own defaults
-  _, agent = registry.resolve(agent_name, agent)  # a wrong name or config fails before any work
-  policy, tokenizer, what = load_policy(model_dir, model, tokenizer_dir, seed)
-  log.info("policy: %s", what)
-  graphdef, params = nnx.split(policy)
+  # A wrong name or a config of another agent fails before any work.
+  agent_cls, agent_cfg = registry.resolve(config.agent.name, config.agent.config)
+  graphdef, params = nnx.split(policy.module)
   eng = drv = remote = None
-  if engine_address_files:
-    log.info("generation on %d serve-model server(s)", len(engine_address_files))
+  if remote_cfg.enabled:
+    log.info("generation on %d serve-model server(s)", len(remote_cfg.address_files))
   else:
-    eng = Engine.from_model(policy, tokenizer, engine)
-    drv = Driver(eng, driver)
-  ppo = ppo or PPOConfig(row_len=engine.max_seq_len, temperature=max(temperature, 1e-6))
+    eng, drv = wiring.in_process_generation(policy, config.engine, config.driver)
   learner = Learner(
     graphdef,
     jax.tree.map(lambda x: x.copy(), params),  # the learner donates; the engine keeps its own
-    ppo=ppo,
-    optimizer=optimizer or steps.OptimizerConfig(learning_rate=1e-3, weight_decay=0.0),
+    ppo=config.ppo(),
+    optimizer=config.learner.optimizer,
   )
-  staleness = StalenessManager(
-    StalenessConfig(
-      batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent
+  staleness = StalenessManager(config.staleness)
+  if remote_cfg.enabled:
+    client_cfg = remote_cfg.client or RemoteClientConfig(
+      timeout_s=config.driver.request_timeout_s, retries=6, max_backoff_s=8.0
     )
-  )
-  if engine_address_files:
     remote = RemoteEngines(
-      engine_address_files, weights_dir, graphdef, staleness,
-      client=engine_client or RemoteClientConfig(
-        timeout_s=driver.request_timeout_s, retries=6, max_backoff_s=8.0
-      ),
-    )  # fmt: skip
-  replay = ReplayQueue(
-    ReplayConfig(directory=str(run / "replay"), max_head_staleness=max_staleness),
-    on_discard=lambda g: staleness.on_discard(),
-  )
-  toolbox = None
-  if search:
-    toolbox = make_toolbox(local=LocalRetrievalConfig(addr_dir=str(run / "retrieval_addrs")))
-  sampling = SamplingParams(temperature=temperature)
-  limits = Limits(llm_timeout_s=driver.request_timeout_s, tool_timeout_s=60.0)
-
-  def agent_factory() -> Agent:
-    client = drv if remote is None else remote.client_for_episode()  # one server per episode
-    make = registry.agent_factory(
-      agent_name, agent, client=client, tokenizer=tokenizer, toolbox=toolbox, limits=limits
+      remote_cfg.address_files, remote_cfg.weights_dir, graphdef, staleness, client=client_cfg
     )
-    return make(sampling)
+  replay = ReplayQueue(
+    config.replay_config(str(run / "replay")), on_discard=lambda g: staleness.on_discard()
+  )
+  toolbox = wiring.toolbox(
+    config.tools, view=wiring.agent_view(agent_cfg), addr_dir=run / RETRIEVAL_ADDRS
+  )
+  sampling = SamplingParams(temperature=config.temperature)
+  limits = Limits(llm_timeout_s=config.driver.request_timeout_s, tool_timeout_s=60.0)
 
+  def make_agent(client: GenerationClient, tools: ToolBox | None) -> Agent:
+    return agent_cls(
+      client=client, tokenizer=policy.tokenizer, toolbox=tools, config=agent_cfg,
+      sampling=sampling, limits=limits,
+    )  # fmt: skip
+
+  reward = config.reward
   if reward == "auto":
-    reward = "answer" if model_dir is not None else "smoke"
-    log.info("reward: %s (%s policy)", reward, "loaded" if model_dir else "random")
+    reward = "answer" if policy.pretrained else "smoke"
+    log.info("reward: %s (%s policy)", reward, "loaded" if policy.pretrained else "random")
   scorer: Scorer = smoke_scorer if reward == "smoke" else answer_scorer(reward_lib.RewardConfig())
   engine_stats = drv.stats if remote is None else remote.stats
   controller = RolloutController(
-    config=rollout,
-    items=items if items is not None else load_qa(),
-    agent_factory=agent_factory,
+    config=config.rollout,
+    items=items,
+    agents=AgentSource(
+      factory=make_agent,
+      # One server per episode (remote), so the episode's prefix stays cached there.
+      client=(lambda: drv) if remote is None else remote.client_for_episode,
+      toolbox=toolbox,
+      stop_token_ids=policy.tokenizer.stop_token_ids,
+    ),
     staleness=staleness,
     replay=replay,
     scorer=scorer,
@@ -264,10 +246,10 @@ def build_run(
   writer = MetricWriter(run / "metrics")
   trainer = Trainer(
     config=TrainerConfig(
-      train_steps=train_steps,
-      batch_groups=batch_groups,
-      checkpoint_every=checkpoint_every,
-      batch_timeout_s=batch_timeout_s,
+      train_steps=config.train_steps,
+      batch_groups=config.staleness.batch_groups,
+      checkpoint_every=config.checkpoint_every,
+      batch_timeout_s=config.batch_timeout_s,
     ),
     learner=learner,
     replay=replay,
@@ -278,119 +260,52 @@ def build_run(
     writer=writer,
     engine_stats=engine_stats,
   )
-  out = TrainRun(
-    tokenizer=tokenizer, engine=eng, driver=drv, learner=learner, staleness=staleness,
-    replay=replay, rollout=controller, trainer=trainer, checkpointer=ckpt, writer=writer,
-    run_dir=run, toolbox=toolbox, remote=remote, engine_wait_s=engine_wait_s,
+  return TrainRun(
+    config=config, tokenizer=policy.tokenizer, engine=eng, driver=drv, learner=learner,
+    staleness=staleness, replay=replay, rollout=controller, trainer=trainer, checkpointer=ckpt,
+    writer=writer, run_dir=run, toolbox=toolbox, remote=remote,
   )  # fmt: skip
-  return out
 
 
-def start_retrieval(run: TrainRun, index_dir: str | None) -> None:
-  """Starts the retrieval server on the rollout loop (127.0.0.1, free port, address file)."""
-  from asearcher_jax.apps.index import default_index_dir
-  from asearcher_jax.tools.retrieval.corpus import default_corpus_paths
-  from asearcher_jax.tools.retrieval.index import build_index_dir, load_index
-  from asearcher_jax.tools.retrieval.server import RetrievalServer, RetrievalServerConfig
-
-  out = Path(index_dir) if index_dir else default_index_dir()
-  if index_dir is None:
-    build_index_dir(corpus=default_corpus_paths(), index_dir=out, show_progress=False)
-  addr_dir = run.run_dir / "retrieval_addrs"
-  for stale in addr_dir.glob("Host*_IP*.txt"):  # a killed run's server is gone
-    stale.unlink(missing_ok=True)
-  server = RetrievalServer(load_index(out), RetrievalServerConfig(port=0, addr_dir=str(addr_dir)))
-  run.rollout.run_coroutine(server.start(), 30)
-  run.rollout.add_closer(server.stop)
-  run.retrieval = server
+# Library defaults throughout; gin/runs/train.gin binds the CPU-sized smoke run.
+DEFAULT_CONFIG = TrainConfig()
 
 
 def train(
   *,
+  config: TrainConfig = DEFAULT_CONFIG,
   run_dir: str = "runs/train",
   model_dir: str | None = None,
   model: ModelConfig | None = None,
   tokenizer_dir: str | None = None,
   questions: str | None = None,
   max_questions: int | None = None,
-  train_steps: int = 4,
-  batch_groups: int = 2,
-  group_size: int = 4,
-  max_staleness: int = 1,
-  max_concurrent: int | None = None,
-  engine: EngineConfig = DEFAULT_ENGINE,
-  driver: DriverConfig = DriverConfig(request_timeout_s=600.0),
-  agent_name: str = "asearcher",
-  agent: Any = DEFAULT_AGENT,
-  ppo: PPOConfig | None = None,
-  optimizer: steps.OptimizerConfig | None = None,
-  rollout: RolloutConfig | None = None,
-  reward: Literal["auto", "answer", "smoke"] = "auto",
-  temperature: float = 1.0,
-  search: bool = True,
   retrieval_index_dir: str | None = None,
-  checkpoint_every: int = 1,
-  batch_timeout_s: float = 600.0,
-  seed: int = 0,
-  engine_address_files: Sequence[str] = (),
-  weights_dir: str | None = None,
-  engine_wait_s: float = 600.0,
-  engine_client: RemoteClientConfig | None = None,
 ) -> int:
-  """Trains until `train_steps` (resuming from `run_dir` if it holds a checkpoint); returns 0.
+  """Trains until `config.train_steps` (resuming from `run_dir` if it holds a checkpoint);
+  prints a JSON summary as its last line and returns 0.
 
   Args:
+    config: everything about how the run trains (`apps.train_config.TrainConfig`: engine,
+      driver, agent, tools, rollout, replay, staleness, learner, remote engines).
     run_dir: checkpoints, the replay log, metrics (TensorBoard + JSONL) and the summary.
     model_dir: a Hugging Face Qwen2/Qwen3 checkpoint; None: a random `model` policy.
     model: architecture of the random policy (default: the qwen2-tiny preset).
     tokenizer_dir: tokenizer files; default: model_dir's, else the packaged Qwen2 vocabulary.
     questions: QA file (.json/.jsonl, optionally .gz); None: the shipped HotpotQA-100.
     max_questions: use only the first this many questions.
-    train_steps: stop when the policy version reaches this.
-    batch_groups: B, groups (dataset items) per training step.
-    group_size: n, episodes per group.
-    max_staleness: eta; 0 = synchronous RL on the same code path.
-    max_concurrent: groups in flight at once; None = B.
-    engine: slots, context and prefill buckets of the in-process engine (with remote servers:
-      its max_seq_len still sets the learner's row length; match the servers').
-    driver: the engine driver's settings.
-    agent_name: which agent to train ("asearcher", "reasoning", "search_r1"; agent.registry).
-    agent: that agent's config (budgets, prompts); the default is a smoke-sized ASearcher one, and
-      another agent_name with it left unbound uses that agent's own defaults.
-    ppo: learner settings; None: decoupled PPO with row_len = the engine context.
-    optimizer: AdamW settings; None: lr 1e-3 (tiny models).
-    rollout: the controller's settings (its group_size is replaced by `group_size`).
-    reward: "answer" (ASearcher F1 reward), "smoke" (even-token fraction, for random policies
-      that never answer), "auto" (answer with model_dir, else smoke).
-    temperature: sampling temperature (the learner recomputes logprobs at the same one).
-    search: give the agent the local retrieval server (False: no tools).
-    retrieval_index_dir: index to serve; None: the shipped corpus's BM25 index (built if needed).
-    checkpoint_every: checkpoint (and commit consumed groups) every this many steps.
-    batch_timeout_s: fail if no batch arrives within this long.
-    seed: init seed of the random policy.
-    engine_address_files: address files of `asearcher serve-model` servers to generate on
-      (one server per episode, round-robin) instead of the in-process engine; each server
-      must be started with `weights_dir` set to this run's `weights_dir`. (): in-process.
-    weights_dir: where each policy version is published for those servers (a directory both
-      sides can read: local disk on one host, a shared filesystem on a pod).
-    engine_wait_s: longest wait at start for every server to load the trainer's weights.
-    engine_client: timeouts and retries of the calls to those servers; None: the request
-      timeout of `driver`, and 6 retries backing off up to 8 s (~12-24 s in all: a server
-      restarted on the same address file is found again; then the episode fails as an
-      environment failure, retried per `rollout`).
+    retrieval_index_dir: the index the run's own retrieval server serves (local tools); None:
+      the shipped corpus's BM25 index (built if needed).
   """
   t0 = time.time()
-  rollout_cfg = dataclasses.replace(rollout or DEFAULT_ROLLOUT, group_size=group_size)
   run = build_run(
-    run_dir=run_dir, model_dir=model_dir, model=model, tokenizer_dir=tokenizer_dir,
-    items=load_qa(questions, limit=max_questions), train_steps=train_steps,
-    batch_groups=batch_groups, max_staleness=max_staleness,
-    max_concurrent=max_concurrent, engine=engine, driver=driver, agent_name=agent_name, agent=agent, ppo=ppo,
-    optimizer=optimizer, rollout=rollout_cfg, reward=reward, temperature=temperature,
-    search=search, checkpoint_every=checkpoint_every, batch_timeout_s=batch_timeout_s, seed=seed,
-    engine_address_files=tuple(engine_address_files), weights_dir=weights_dir,
-    engine_wait_s=engine_wait_s, engine_client=engine_client,
-  )  # fmt: skip
+    config,
+    run_dir=run_dir,
+    policy=wiring.policy(
+      model_dir=model_dir, model=model, tokenizer_dir=tokenizer_dir, seed=config.seed
+    ),
+    items=load_qa(questions, limit=max_questions),
+  )
   try:
     resumed = run.start(retrieval_index_dir=retrieval_index_dir)
     print(
@@ -402,11 +317,14 @@ def train(
   summary = {
     "version": run.learner.version,
     "resumed_from": resumed,
+    "agent": config.agent.name,
     "reward": last.get("rollout/reward"),
     "loss": last.get("ppo/loss"),
     "staleness_head_max": last.get("staleness/head_max"),
     "trainer_idle_frac": last.get("perf/trainer_idle_frac_cum"),
     "groups_trained": sum(len(x) for x in run.trainer.trained_ids),
+    "tool_cache_hits": last.get("tools/cache/hits"),
+    "tool_cost_usd": last.get("tools/cost_usd"),
     "seconds": round(time.time() - t0, 1),
   }
   print(json.dumps(summary), flush=True)

@@ -9,8 +9,9 @@ runs short phases per group:
   filter (`rl.reward.group_advantages`) -> `ReplayQueue.apush` (accepted) or `on_reject` +
   `record_rejected` (filtered / failed).
 
-Runtime objects (agent factory with its generation client and ToolBox, queue, staleness manager)
-are built in code and passed in. Blocking calls (disk appends, locks held by the learner) go
+Runtime objects (an `AgentSource`: the agent factory, the generation client and the ToolBox it
+is built from; queue, staleness manager) are built in code and passed in. Each episode's agent is
+built from journaled wrappers of that client and ToolBox (`rl.inflight`), never patched after. Blocking calls (disk appends, locks held by the learner) go
 through `asyncio.to_thread`, so a slow learner never stalls episodes, and every await has a
 timeout.
 """
@@ -37,11 +38,33 @@ from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
 from asearcher_jax.rl.inflight import EpisodeJournal, JournalClient, JournalToolBox
 from asearcher_jax.rl.replay import Group, ReplayQueue
 from asearcher_jax.rl.staleness import StalenessManager
+from asearcher_jax.serving.types import GenerationClient
 
 log = logging.getLogger(__name__)
 
 # Per-trajectory scores for one group, None where a trajectory must be excluded.
 Scorer = Callable[[Sequence[Trajectory]], list[float | None]]
+# Builds one episode's agent from the generation client and the ToolBox (None: no tools) it must
+# use; the controller passes journaled wrappers of both.
+AgentFactory = Callable[[GenerationClient, Any], Agent]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentSource:
+  """What the controller builds each episode's agent from.
+
+  Attributes:
+    factory: (client, toolbox) -> a fresh agent.
+    client: the generation client of one episode, called once per episode attempt (remote
+      engines: one server per episode, so its prefix stays cached there).
+    toolbox: the ToolBox every episode shares; None: agents without tools.
+    stop_token_ids: the tokenizer's stop tokens (a resumed partial call continues with them).
+  """
+
+  factory: AgentFactory
+  client: Callable[[], GenerationClient]
+  toolbox: Any = None
+  stop_token_ids: Sequence[int] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,6 +139,49 @@ def answer_scorer(config: reward_lib.RewardConfig | None = None) -> Scorer:
   return score
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupScores:
+  """The outcome of scoring one group.
+
+  Attributes:
+    scores: per episode, its score; None where it did not run, failed for environment reasons
+      or was excluded by the scorer.
+    advantages: per episode, its group-centred score (None where excluded); None when the group
+      carries no signal and is rejected.
+    usable: episodes that ran without an environment failure (the ones scored).
+  """
+
+  scores: list[float | None]
+  advantages: list[float | None] | None
+  usable: int
+
+  @property
+  def keep(self) -> list[int]:
+    """Indices of the episodes the group trains on (empty for a rejected group)."""
+    return [i for i, a in enumerate(self.advantages or ()) if a is not None]
+
+  @property
+  def rejection(self) -> str | None:
+    """Why the group is rejected (a `rollout/*` counter name), None when it is accepted."""
+    if self.advantages is not None:
+      return None
+    return "groups_zero_variance" if self.usable >= 2 else "groups_too_few_scored"
+
+
+def score_group(trajs: Sequence[Trajectory | None], scorer: Scorer) -> GroupScores:
+  """Scores the usable episodes of a group (ran, no environment failure: a failed episode is
+  never trained as a zero reward), then centres and filters the group
+  (`rl.reward.group_advantages`: fewer than two scores, or all equal, reject it)."""
+  scores: list[float | None] = [None] * len(trajs)
+  usable = [i for i, t in enumerate(trajs) if t is not None and not t.environment_failure]
+  if usable:
+    for i, s in zip(usable, scorer([trajs[i] for i in usable])):
+      scores[i] = s
+  return GroupScores(
+    scores=scores, advantages=reward_lib.group_advantages(scores), usable=len(usable)
+  )
+
+
 class _Stats:
   """Counters (cumulative) and per-trajectory samples (windowed, reset by `metrics`)."""
 
@@ -138,7 +204,7 @@ class RolloutController:
     *,
     config: RolloutConfig,
     items: Sequence[QAItem],
-    agent_factory: Callable[[], Agent],
+    agents: AgentSource,
     staleness: StalenessManager,
     replay: ReplayQueue,
     scorer: Scorer | None = None,
@@ -146,7 +212,7 @@ class RolloutController:
   ) -> None:
     self.config = config
     self.items = list(items)
-    self.agent_factory = agent_factory
+    self.agents = agents
     self.staleness = staleness
     self.replay = replay
     self.scorer = scorer or answer_scorer()
@@ -257,7 +323,8 @@ class RolloutController:
 
   def metrics(self, *, reset: bool = True) -> dict[str, float]:
     """`rollout/*`: cumulative counters, and means of the per-trajectory samples since the last
-    reset (reward, accuracy, turns, tokens, tool calls, occupancy, group latency and its max)."""
+    reset (reward, accuracy, turns, tokens, tool calls, occupancy, group latency and its max);
+    plus the ToolBox's cumulative `tools/*` counters (calls, failures, cache hits, cost)."""
     with self._lock:
       out = {f"rollout/{k}": float(v) for k, v in self._stats.count.items()}
       for k, vs in self._stats.samples.items():
@@ -270,6 +337,9 @@ class RolloutController:
       if isinstance(self.cursor, CurriculumCursor):
         out.update(self.cursor.metrics())
     out["rollout/running_groups"] = float(self.staleness.stats()["running"])
+    tool_metrics = getattr(self.agents.toolbox, "metrics", None)
+    if tool_metrics is not None:
+      out.update(tool_metrics())
     return out
 
   def _count(self, **kw: float) -> None:
@@ -401,33 +471,31 @@ class RolloutController:
   ) -> bool:
     """Scores and pushes; returns True once the staleness manager has been told the outcome."""
     ran = [t for t in trajs if t is not None]
-    scores = [None] * len(trajs)
-    usable = [i for i, t in enumerate(trajs) if t is not None and not t.environment_failure]
-    if usable:
-      got = self.scorer([trajs[i] for i in usable])
-      for i, s in zip(usable, got):
-        scores[i] = s
-    for t, s in zip(trajs, scores):
+    outcome = score_group(trajs, self.scorer)
+    for t, s in zip(trajs, outcome.scores):
       if t is not None:
         self._record_trajectory(t, s)
-    advantages = reward_lib.group_advantages(scores)
-    if len(usable) >= 2 and isinstance(self.cursor, CurriculumCursor):
+    if outcome.usable >= 2 and isinstance(self.cursor, CurriculumCursor):
       with self._lock:
-        self.cursor.observe(index, mixed=advantages is not None)
+        self.cursor.observe(index, mixed=outcome.advantages is not None)
     lengths = [sum(s.num_tokens for s in t.training_sequences()) for t in ran]
-    if advantages is None:
-      why = "groups_zero_variance" if len(usable) >= 2 else "groups_too_few_scored"
-      self._count(groups_rejected=1, **{why: 1})
+    if outcome.rejection is not None:
+      self._count(groups_rejected=1, **{outcome.rejection: 1})
       self.replay.record_rejected(lengths)
       return False
-    keep = [i for i, a in enumerate(advantages) if a is not None]
+    keep, advantages, scores = outcome.keep, outcome.advantages, outcome.scores
     group = Group.from_trajectories(
       f"{key}/{item.qid}",
       [trajs[i] for i in keep],
       [advantages[i] for i in keep],
       created_version=version,
       created_at=created,
-      metadata={"qid": item.qid, "scores": [scores[i] for i in keep], "item": key},
+      metadata={
+        "qid": item.qid,
+        "scores": [scores[i] for i in keep],
+        "item": key,
+        "agent": trajs[keep[0]].agent,
+      },
     )
     push = asyncio.ensure_future(self._push(group))
     try:
@@ -500,20 +568,15 @@ class RolloutController:
   def _journaled_agent(
     self, group: _GroupJournal, i: int, saved: EpisodeJournal | None
   ) -> tuple[Agent, JournalClient, JournalToolBox | None]:
-    """A fresh agent whose engine and tool calls are recorded into (and, when resuming, first
-    answered from) the episode's journal."""
+    """A fresh agent built on the episode's journaled client and ToolBox: its engine and tool
+    calls are recorded into (and, when resuming, first answered from) the episode's journal."""
     journal = EpisodeJournal()
     with self._lock:
       group.episodes[i] = journal
-    agent = self.agent_factory()
-    stops = agent.tokenizer.stop_token_ids
-    client = JournalClient(agent.client, journal, saved, default_stop_ids=stops)
-    agent.client = client
-    tools = None
-    if agent.toolbox is not None:
-      tools = JournalToolBox(agent.toolbox, journal, saved)
-      agent.toolbox = tools
-    return agent, client, tools
+    src = self.agents
+    client = JournalClient(src.client(), journal, saved, default_stop_ids=src.stop_token_ids)
+    tools = JournalToolBox(src.toolbox, journal, saved) if src.toolbox is not None else None
+    return src.factory(client, tools), client, tools
 
   def _record_trajectory(self, t: Trajectory, score: float | None) -> None:
     s = t.stats()

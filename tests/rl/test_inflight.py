@@ -21,7 +21,7 @@ from asearcher_jax.rl.inflight import (
   tool_result_to_json,
 )
 from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
-from asearcher_jax.rl.rollout import RolloutConfig, RolloutController
+from asearcher_jax.rl.rollout import AgentSource, RolloutConfig, RolloutController
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.serving.types import GenerationResult, SamplingParams
 from asearcher_jax.testing import ScriptedClient, fake_toolbox
@@ -153,16 +153,22 @@ class GatedClient(ScriptedClient):
 def run_controller(tok, *, gate, version, box, clients, state=None, start=True):
   counter = iter(range(10**6))
 
-  def make() -> AsearcherAgent:
-    client = GatedClient(tok, next(counter), gate, version)
-    clients.append(client)
-    return AsearcherAgent(client=client, tokenizer=tok, toolbox=box, config=AGENT)
+  def client() -> GatedClient:
+    clients.append(GatedClient(tok, next(counter), gate, version))
+    return clients[-1]
+
+  agents = AgentSource(
+    factory=lambda c, tools: AsearcherAgent(client=c, tokenizer=tok, toolbox=tools, config=AGENT),
+    client=client,
+    toolbox=box,
+    stop_token_ids=tok.stop_token_ids,
+  )
 
   staleness = StalenessManager(StalenessConfig(batch_groups=2, max_staleness=0))
   replay = ReplayQueue(ReplayConfig(capacity=16))
   ctl = RolloutController(
     config=RolloutConfig(group_size=2, shuffle=False, admit_poll_s=0.05),
-    items=ITEMS, agent_factory=make, staleness=staleness, replay=replay,
+    items=ITEMS, agents=agents, staleness=staleness, replay=replay,
   )  # fmt: skip
   if state is not None:
     ctl.load_state_dict(state)

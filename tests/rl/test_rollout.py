@@ -14,8 +14,16 @@ from collections.abc import Callable
 import pytest
 
 from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig
+from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
-from asearcher_jax.rl.rollout import DataCursor, QAItem, RolloutConfig, RolloutController
+from asearcher_jax.rl.rollout import (
+  AgentSource,
+  DataCursor,
+  QAItem,
+  RolloutConfig,
+  RolloutController,
+  score_group,
+)
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.testing import ScriptedClient, fake_toolbox
 from asearcher_jax.tokenizer import Tokenizer
@@ -38,15 +46,16 @@ def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 def factory(tok, scripts: Callable[[int], list[str]], *, delay_s: float = 0.0, toolbox=None):
-  """Agent factory: episode k replays scripts(k) through its own scripted client."""
+  """Agents whose episode k replays scripts(k) through its own scripted client."""
   counter = itertools.count()
-  box = toolbox or fake_toolbox()
-
-  def make() -> AsearcherAgent:
-    client = ScriptedClient(tok, scripts(next(counter)), delay_s=delay_s)
-    return AsearcherAgent(client=client, tokenizer=tok, toolbox=box, config=AGENT)
-
-  return make
+  return AgentSource(
+    factory=lambda client, box: AsearcherAgent(
+      client=client, tokenizer=tok, toolbox=box, config=AGENT
+    ),
+    client=lambda: ScriptedClient(tok, scripts(next(counter)), delay_s=delay_s),
+    toolbox=toolbox or fake_toolbox(),
+    stop_token_ids=tok.stop_token_ids,
+  )
 
 
 def alternating(k: int) -> list[str]:
@@ -64,7 +73,7 @@ def controller(tok, scripts, *, eta=0, b=2, n=2, concurrent=None, capacity=64, i
   ctl = RolloutController(
     config=RolloutConfig(group_size=n, shuffle=False, admit_poll_s=0.05, **cfg),
     items=items,
-    agent_factory=factory(tok, scripts, delay_s=delay, toolbox=toolbox),
+    agents=factory(tok, scripts, delay_s=delay, toolbox=toolbox),
     staleness=staleness,
     replay=replay,
   )
@@ -233,3 +242,28 @@ def test_cursor_shuffles_per_epoch_deterministically():
   assert sorted(first[:5]) == list(range(5)) and sorted(first[5:]) == list(range(5))
   with pytest.raises(ValueError):
     DataCursor(5, shuffle=True, seed=4).load_state_dict(a.state_dict())
+
+
+def test_score_group_scores_usable_episodes_then_centres_and_filters():
+  def traj(answer: str, failed: bool = False) -> Trajectory:
+    return Trajectory(agent="a", question="q", pred_answer=answer, environment_failure=failed)
+
+  seen = []
+
+  def scorer(trajs):
+    seen.append(len(trajs))
+    return [1.0 if t.pred_answer == "Paris" else 0.0 for t in trajs]
+
+  # A failed episode and one that never ran are not scored (not trained as zero); the rest centre.
+  out = score_group([traj("Paris"), traj("Paris", failed=True), None, traj("Rome")], scorer)
+  assert seen == [2] and out.usable == 2 and out.rejection is None
+  assert out.scores == [1.0, None, None, 0.0]
+  assert out.advantages == [0.5, None, None, -0.5] and out.keep == [0, 3]
+  # All equal: no signal. One usable episode: no baseline.
+  same = score_group([traj("Paris"), traj("Paris")], scorer)
+  assert same.rejection == "groups_zero_variance" and same.keep == []
+  alone = score_group([traj("Paris"), traj("Rome", failed=True)], scorer)
+  assert alone.rejection == "groups_too_few_scored" and alone.scores == [1.0, None]
+  # The scorer may exclude a trajectory itself (None).
+  excl = score_group([traj("Paris"), traj("Rome"), traj("x")], lambda ts: [1.0, 0.0, None])
+  assert excl.keep == [0, 1] and excl.advantages[2] is None

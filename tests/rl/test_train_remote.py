@@ -2,7 +2,7 @@
 layout on one host): the trainer publishes each version to a weights directory, the server loads
 it between decode steps, and the agents call the server over loopback HTTP.
 
-Shown with the real pieces (a spawned `serving.commands.serve` child, the real retrieval server,
+Shown with the real pieces (a spawned `apps.serve_model.serve` child, the real retrieval server,
 real agents, the persisted replay queue): the server was started from a *different* random init
 and still generated the first batch with the trainer's weights (the learner's recomputed
 logprobs match the server's at version 0); it runs the last published version at the end;
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from asearcher_jax.apps import serve_model as serving_commands
+from asearcher_jax.apps.train_config import RemoteEnginesConfig
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.serving.client import read_address
 from asearcher_jax.serving.engine import EngineConfig
@@ -86,7 +87,9 @@ def test_train_generates_on_a_served_engine_fed_through_the_weights_dir(
   servers = [proc]
   run = build(
     tmp_path / "run", byte_tok_dir, eta=1, steps=3,
-    engine_address_files=(str(addr),), weights_dir=str(weights), engine_wait_s=120,
+    remote=RemoteEnginesConfig(
+      address_files=(str(addr),), weights_dir=str(weights), wait_s=120
+    ),
   )  # fmt: skip
   assert run.engine is None and run.driver is None
   restarted = threading.Event()
@@ -144,12 +147,16 @@ def test_train_generates_on_a_served_engine_fed_through_the_weights_dir(
 
 def test_remote_engines_need_a_weights_dir_and_live_servers(tmp_path, byte_tok_dir):  # noqa: F811
   with pytest.raises(AsearcherError, match="needs weights_dir"):
-    build(tmp_path / "a", byte_tok_dir, eta=1, steps=1, engine_address_files=("x.json",))
+    build(
+      tmp_path / "a", byte_tok_dir, eta=1, steps=1,
+      remote=RemoteEnginesConfig(address_files=("x.json",)),
+    )  # fmt: skip
   # A server that never comes up: a clear error naming it, after engine_wait_s.
   run = build(
     tmp_path / "b", byte_tok_dir, eta=1, steps=1,
-    engine_address_files=(str(tmp_path / "missing.json"),),
-    weights_dir=str(tmp_path / "w"), engine_wait_s=0.5,
+    remote=RemoteEnginesConfig(
+      address_files=(str(tmp_path / "missing.json"),), weights_dir=str(tmp_path / "w"), wait_s=0.5
+    ),
   )  # fmt: skip
   try:
     with pytest.raises(AsearcherError, match=r"missing\.json \(not reachable\)"):

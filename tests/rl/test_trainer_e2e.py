@@ -11,7 +11,7 @@ killed with SIGKILL mid-run resumes losslessly.
 
 The policy uses a byte-level tokenizer (259 ids) so the learner's softmax is cheap on CPU; the
 agent, prompts and tools are the real ones. A random policy never writes <answer>, so the
-even-token "smoke" reward stands in for F1 (see `rl.commands.smoke_scorer`).
+even-token "smoke" reward stands in for F1 (see `apps.train.smoke_scorer`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,16 @@ import pytest
 
 from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.apps import train as commands
+from asearcher_jax.apps import wiring
+from asearcher_jax.apps.train_config import (
+  AgentChoice,
+  LearnerConfig,
+  RemoteEnginesConfig,
+  TrainConfig,
+)
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.model.steps import OptimizerConfig
 from asearcher_jax.rl.replay import (
   CONSUMED_LOG,
   GROUPS_LOG,
@@ -44,6 +52,7 @@ from asearcher_jax.rl.replay import (
 from asearcher_jax.rl.rollout import RolloutConfig
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
+from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.testing.agent_workload import write_byte_tokenizer
 from tests.tools.conftest import shipped_index_dir  # noqa: F401
@@ -63,13 +72,24 @@ TINY = ModelConfig(
 )  # fmt: skip
 
 
-def build(run_dir: Path, tok_dir: Path, *, eta: int, steps: int, **kw) -> commands.TrainRun:
+def build(
+  run_dir: Path, tok_dir: Path, *, eta: int, steps: int, remote: RemoteEnginesConfig | None = None
+) -> commands.TrainRun:
+  config = TrainConfig(
+    train_steps=steps, batch_timeout_s=240,
+    staleness=StalenessConfig(batch_groups=1, max_staleness=eta, max_concurrent=2),
+    engine=EngineConfig(max_slots=4, max_seq_len=2048, prefill_buckets=(1024,)),
+    driver=DriverConfig(request_timeout_s=600.0),
+    agent=AgentChoice(
+      configs={"asearcher": AsearcherAgentConfig(max_turns=2, max_new_tokens=48, max_tokens=2048)}
+    ),
+    rollout=RolloutConfig(group_size=2, episode_timeout_s=120),
+    learner=LearnerConfig(optimizer=OptimizerConfig(learning_rate=1e-3, weight_decay=0.0)),
+    remote=remote or RemoteEnginesConfig(),
+  )  # fmt: skip
   return commands.build_run(
-    run_dir=str(run_dir), model=TINY, tokenizer_dir=str(tok_dir),
-    items=commands.load_qa(limit=24), train_steps=steps, batch_groups=1, max_staleness=eta,
-    max_concurrent=2, engine=EngineConfig(max_slots=4, max_seq_len=2048, prefill_buckets=(1024,)),
-    agent=AsearcherAgentConfig(max_turns=2, max_new_tokens=48, max_tokens=2048),
-    rollout=RolloutConfig(group_size=2, episode_timeout_s=120), batch_timeout_s=240, **kw,
+    config, run_dir=str(run_dir), policy=wiring.policy(model=TINY, tokenizer_dir=str(tok_dir)),
+    items=commands.load_qa(limit=24),
   )  # fmt: skip
 
 
@@ -217,6 +237,8 @@ from __gin__ import dynamic_registration
 from asearcher_jax.agent import asearcher
 from asearcher_jax.model import presets
 from asearcher_jax.apps import train as commands
+from asearcher_jax.rl import rollout
+from asearcher_jax.rl import staleness
 from asearcher_jax.serving import engine
 
 include 'gin/runs/train.gin'
@@ -226,10 +248,9 @@ commands.train.run_dir = "{run_dir}"
 commands.train.tokenizer_dir = "{tok_dir}"
 commands.train.retrieval_index_dir = "{index_dir}"
 commands.train.max_questions = 24
-commands.train.train_steps = 4
-commands.train.batch_groups = 1
-commands.train.group_size = 2
-commands.train.max_concurrent = 2
+staleness.StalenessConfig.batch_groups = 1
+staleness.StalenessConfig.max_concurrent = 2
+rollout.RolloutConfig.group_size = 2
 engine.EngineConfig.max_slots = 4
 engine.EngineConfig.max_seq_len = 2048
 engine.EngineConfig.prefill_buckets = (1024,)

@@ -1,0 +1,144 @@
+"""What `asearcher train` runs: one frozen config per part, nested in `TrainConfig`.
+
+Each part keeps its own library defaults (EngineConfig, DriverConfig, ...); the CPU-sized values
+of the smoke run live in one place, gin/runs/train.gin, which binds every part, so a single
+binding (`staleness.StalenessConfig.max_staleness = 0`) changes one thing. `build_run` combines
+the config with the runtime objects (policy, questions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from asearcher_jax.agent import registry
+from asearcher_jax.apps.wiring import ToolsConfig
+from asearcher_jax.model.steps import OptimizerConfig
+from asearcher_jax.rl.learner import PPOConfig
+from asearcher_jax.rl.replay import ReplayConfig
+from asearcher_jax.rl.rollout import RolloutConfig
+from asearcher_jax.rl.staleness import StalenessConfig
+from asearcher_jax.serving.client import RemoteClientConfig
+from asearcher_jax.serving.driver import DriverConfig
+from asearcher_jax.serving.engine import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentChoice:
+  """Which registered agent is trained (`agent.registry`), with its config."""
+
+  # "asearcher", "reasoning" or "search_r1" (or an alias the registry accepts).
+  name: str = "asearcher"
+  # Agent configs by agent name (AsearcherAgentConfig, ...), so switching `name` switches budgets
+  # too; an agent without an entry takes its own defaults.
+  configs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def config(self) -> Any:
+    """The chosen agent's config (None: its defaults)."""
+    return self.configs.get(registry.ALIASES.get(self.name, self.name))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+  """The decoupled-PPO learner and its optimizer."""
+
+  # Loss, normalisation and packing; None: the defaults with row_len = the engine's context and
+  # the sampling temperature. Given, its temperature must be the sampling temperature.
+  ppo: PPOConfig | None = None
+  # AdamW and its schedule.
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RemoteEnginesConfig:
+  """Generation on `asearcher serve-model` servers instead of the in-process engine."""
+
+  # Address files of the servers (one server per episode, round-robin); (): in-process engine.
+  address_files: tuple[str, ...] = ()
+  # Where each policy version is published for them (each server's own weights_dir): a
+  # directory both sides read (local disk on one host, a shared filesystem on a pod).
+  weights_dir: str | None = None
+  # Longest wait at start for every server to load the trainer's weights.
+  wait_s: float = 600.0
+  # Timeouts and retries of the calls to the servers; None: the driver's request timeout and 6
+  # retries backing off up to 8 s (a server restarted on the same address file is found again;
+  # then the episode fails as an environment failure, retried per the rollout config).
+  client: RemoteClientConfig | None = None
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.address_files)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """Asynchronous RL of a search agent (see `apps.train`); every part bindable from gin."""
+
+  # Stop once the policy version reaches this (a resumed run counts on).
+  train_steps: int = 4
+  # Checkpoint (and commit the consumed groups) every this many steps; 0 = never.
+  checkpoint_every: int = 1
+  # Fail if no batch of accepted groups arrives within this long.
+  batch_timeout_s: float = 600.0
+  # "answer": the ASearcher F1 reward; "smoke": the even-token fraction, for random policies that
+  # never answer; "auto": answer for a loaded checkpoint, else smoke.
+  reward: Literal["auto", "answer", "smoke"] = "auto"
+  # Sampling temperature (the learner recomputes logprobs at the same one).
+  temperature: float = 1.0
+  # Init seed of a random policy.
+  seed: int = 0
+  # B (groups per step), eta (max staleness; 0 = synchronous) and groups in flight.
+  staleness: StalenessConfig = dataclasses.field(
+    default_factory=lambda: StalenessConfig(batch_groups=2)
+  )
+  # The in-process engine (with remote servers its max_seq_len still sets the learner's rows).
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  # The engine driver (request timeout, prefix reuse, what a weight update does to the KV cache).
+  driver: DriverConfig = dataclasses.field(default_factory=DriverConfig)
+  # The trained agent.
+  agent: AgentChoice = dataclasses.field(default_factory=AgentChoice)
+  # The agents' tools: local retrieval, the web, or none.
+  tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
+  # The rollout controller: group size n, episode timeout, failure policy, curriculum.
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  # The replay queue; its log lives in the run directory (leave `directory` unset), and an unset
+  # max_head_staleness is eta (the hard staleness bound).
+  replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+  # Decoupled PPO and AdamW.
+  learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+  # Generation on serve-model servers (disaggregated); unset: the in-process engine.
+  remote: RemoteEnginesConfig = dataclasses.field(default_factory=RemoteEnginesConfig)
+
+  def __post_init__(self):
+    if self.reward not in ("auto", "answer", "smoke"):
+      raise ValueError(f"reward must be 'auto', 'answer' or 'smoke', got {self.reward!r}")
+    if self.replay.directory is not None:
+      raise ValueError("replay.directory is the run's own (run_dir/replay): leave it unset")
+    ppo = self.learner.ppo
+    if ppo is not None and ppo.temperature != self.sampling_temperature:
+      raise ValueError(
+        f"learner.ppo.temperature {ppo.temperature} differs from the sampling temperature "
+        f"{self.temperature}: the learner's logprobs must be the sampler's"
+      )
+
+  @property
+  def sampling_temperature(self) -> float:
+    """The temperature the learner recomputes logprobs at (0 stands for greedy)."""
+    return max(self.temperature, 1e-6)
+
+  def ppo(self) -> PPOConfig:
+    """The learner's PPO settings (`learner.ppo`, else derived from the engine and sampling)."""
+    if self.learner.ppo is not None:
+      return self.learner.ppo
+    return PPOConfig(row_len=self.engine.max_seq_len, temperature=self.sampling_temperature)
+
+  def replay_config(self, directory: str) -> ReplayConfig:
+    """The replay queue's config, its log in `directory`."""
+    head = self.replay.max_head_staleness
+    return dataclasses.replace(
+      self.replay,
+      directory=directory,
+      max_head_staleness=self.staleness.max_staleness if head is None else head,
+    )
