@@ -28,7 +28,7 @@ Workload (chosen to resemble ASearcher's training rollouts, scaled to a CPU):
   tools     an in-process search stub (`LatencySearch`) whose latency per call is log-normal,
             median 1.0 s, sigma 0.7, clipped to [0.05, 8] s (p90 ~2.5 s, p99 ~5 s: a web search
             API with a heavy tail). This is wall-clock waiting, which asynchronous RL overlaps.
-  reward    the stand-in "smoke" reward (fraction of even token ids, `rl.commands.smoke_scorer`):
+  reward    the stand-in "smoke" reward (fraction of even token ids, `apps.train.smoke_scorer`):
             varied within every group, so groups pass the zero-variance filter and the learner
             does real PPO updates. A random policy cannot earn an answer reward.
   learner   decoupled PPO (prox logprobs recomputed), 4 minibatches (optimizer steps) per

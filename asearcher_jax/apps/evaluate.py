@@ -203,7 +203,7 @@ async def _evaluate(
     if not retrieval_addresses and not retrieval_addr_dir:
       raise AsearcherError(
         "local tools need retrieval_addresses or retrieval_addr_dir (start one with "
-        "`asearcher serve-retrieval --gin_param='commands.serve.addr_dir=\"DIR\"'`)"
+        "`asearcher serve-retrieval --gin_param='serve_retrieval.serve.addr_dir=\"DIR\"'`)"
       )
     local = LocalRetrievalConfig(addresses=retrieval_addresses, addr_dir=retrieval_addr_dir)
   toolbox = make_toolbox(

@@ -53,9 +53,9 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
 async def test_serve_model_serves_http_and_grpc_then_stops_on_sigterm(tmp_path, tokenizer):
   addr = tmp_path / "policy.addr"
   proc = _start(
-    "--gin_param=commands.serve.port=0",
-    f"--gin_param=commands.serve.address_file='{addr}'",
-    "--gin_param=commands.serve.grpc_port=0",
+    "--gin_param=serve_model.serve.port=0",
+    f"--gin_param=serve_model.serve.address_file='{addr}'",
+    "--gin_param=serve_model.serve.grpc_port=0",
   )
   try:
     info = await asyncio.to_thread(_wait_for, addr, proc)
@@ -102,8 +102,8 @@ def test_serve_model_bad_checkpoint_is_a_one_line_error(tmp_path):
   proc = subprocess.run(
     [
       sys.executable, "-m", "asearcher_jax.main", "serve-model",
-      f"--gin_param=commands.serve.model_dir='{tmp_path / 'nope'}'",
-      "--gin_param=commands.serve.serve_seconds=1",
+      f"--gin_param=serve_model.serve.model_dir='{tmp_path / 'nope'}'",
+      "--gin_param=serve_model.serve.serve_seconds=1",
     ],
     cwd=REPO, capture_output=True, text=True, timeout=T,
     env={**os.environ, "JAX_PLATFORMS": "cpu"},
@@ -119,7 +119,7 @@ def test_serve_model_on_a_taken_port_is_a_one_line_error():
     port = taken.getsockname()[1]
     proc = subprocess.run(
       [sys.executable, "-m", "asearcher_jax.main", "serve-model", *SMALL_ENGINE,
-       f"--gin_param=commands.serve.port={port}", "--gin_param=commands.serve.serve_seconds=1"],
+       f"--gin_param=serve_model.serve.port={port}", "--gin_param=serve_model.serve.serve_seconds=1"],
       cwd=REPO, capture_output=True, text=True, timeout=T,
       env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
@@ -148,10 +148,10 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
 
   addr, weights = tmp_path / "policy.addr", tmp_path / "weights"
   proc = _start(
-    f"--gin_param=commands.serve.address_file='{addr}'",
-    f"--gin_param=commands.serve.weights_dir='{weights}'",
-    "--gin_param=commands.serve.weights_poll_s=0.1",
-    "--gin_param=commands.serve.warmup_modes=('greedy',)",
+    f"--gin_param=serve_model.serve.address_file='{addr}'",
+    f"--gin_param=serve_model.serve.weights_dir='{weights}'",
+    "--gin_param=serve_model.serve.weights_poll_s=0.1",
+    "--gin_param=serve_model.serve.warmup_modes=('greedy',)",
   )
   try:
     await asyncio.to_thread(_wait_for, addr, proc, 300)

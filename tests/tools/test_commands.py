@@ -38,7 +38,7 @@ def test_gin_files_parse() -> None:
 
 def test_index_command_builds_then_reuses(tmp_path: Path) -> None:
   env = {"ASEARCHER_HOME": str(tmp_path / "home")}
-  first = _cli("index", "--gin_param=commands.build_index.show_progress=False", env=env)
+  first = _cli("index", "--gin_param=index.build_index.show_progress=False", env=env)
   assert first.returncode == 0, first.stderr
   assert "8113 passages" in first.stdout and "built in" in first.stdout
   index_dir = tmp_path / "home" / "index" / "default-bm25"
@@ -46,7 +46,7 @@ def test_index_command_builds_then_reuses(tmp_path: Path) -> None:
   second = _cli("index", env=env)
   assert second.returncode == 0 and "up to date" in second.stdout
   # A missing corpus file is a one-line user error, not a traceback.
-  bad = _cli("index", "--gin_param=commands.build_index.corpus=['/nonexistent.jsonl']", env=env)
+  bad = _cli("index", "--gin_param=index.build_index.corpus=['/nonexistent.jsonl']", env=env)
   assert bad.returncode == 1 and "corpus file not found: /nonexistent.jsonl" in bad.stderr
   assert "Traceback" not in bad.stderr
 
@@ -59,8 +59,8 @@ def test_serve_retrieval_command_announces_serves_and_cleans_up(tmp_path: Path) 
       "-m",
       "asearcher_jax.main",
       "serve-retrieval",
-      "--gin_param=commands.serve.port=0",
-      f"--gin_param=commands.serve.addr_dir='{addr_dir}'",
+      "--gin_param=serve_retrieval.serve.port=0",
+      f"--gin_param=serve_retrieval.serve.addr_dir='{addr_dir}'",
     ],
     cwd=REPO,
     env={**os.environ, "ASEARCHER_HOME": str(tmp_path / "home")},
