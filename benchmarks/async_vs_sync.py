@@ -115,6 +115,7 @@ from asearcher_jax.apps import serve_model as serving_commands
 from asearcher_jax.apps.train import smoke_scorer
 from asearcher_jax.model import steps, transformer
 from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.rl.learner import Learner, PPOConfig
 from asearcher_jax.rl.replay import Group, ReplayConfig, ReplayQueue
 from asearcher_jax.rl.rollout import QAItem, RolloutConfig, RolloutController
@@ -222,7 +223,7 @@ class EngineServer:
       target=serving_commands.serve, name="engine-server", daemon=True,
       kwargs=dict(
         # the same random init as the learner: same config, same seed
-        model=model_config(w), tokenizer_dir=str(tmp / "tok"), seed=w.seed,
+        policy=PolicyConfig(model=model_config(w), tokenizer_dir=str(tmp / "tok"), seed=w.seed),
         engine=engine_config(w), driver=driver_config(w), address_file=str(self.address_file),
         weights_dir=str(self.weights_dir), weights_poll_s=0.01,
         warmup_modes=("sample",) if w.warmup else (), cpus=tuple(sorted(cpus or ())),

@@ -18,8 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from asearcher_jax.errors import AsearcherError
-from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.loading import load_policy
+from asearcher_jax.model.loading import PolicyConfig, load_policy
 from asearcher_jax.serving.driver import Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
@@ -58,42 +57,28 @@ def write_address(path: Path, addresses: dict[str, str]) -> None:
 
 def serve(
   *,
-  model_dir: str | None = None,
-  model: ModelConfig | None = None,
-  tokenizer_dir: str | None = None,
+  policy: PolicyConfig = PolicyConfig(),
   engine: EngineConfig = EngineConfig(),
   driver: DriverConfig = DriverConfig(),
-  host: str = "127.0.0.1",
-  port: int = 0,
-  address_file: str | None = None,
+  api: OpenAIServerConfig = OpenAIServerConfig(),
   grpc_port: int | None = None,
-  model_name: str = "asearcher-policy",
-  request_timeout_s: float = 600.0,
-  max_body_bytes: int = 8 << 20,
-  serve_seconds: float | None = None,
-  seed: int = 0,
+  address_file: str | None = None,
   weights_dir: str | None = None,
   weights_poll_s: float = 1.0,
   warmup_modes: tuple[str, ...] = (),
   cpus: tuple[int, ...] = (),
+  serve_seconds: float | None = None,
 ) -> int:
   """Serves the policy until SIGINT/SIGTERM (or for `serve_seconds`); returns the exit code.
 
   Args:
-    model_dir: Hugging Face Qwen2/Qwen3 checkpoint directory; None: a random `model` policy.
-    model: architecture of the random policy (default: the qwen2-tiny preset).
-    tokenizer_dir: tokenizer files; default: model_dir's, else the packaged Qwen2 vocabulary.
+    policy: the checkpoint (or random architecture and seed) and tokenizer to serve.
     engine: slots, context length and prefill buckets.
     driver: the RL driver's settings (request timeout, admission per step).
-    host: interface for both servers; loopback by default, "0.0.0.0" only on a trusted network.
-    port: HTTP port of the OpenAI facade; 0 picks a free one.
-    address_file: where to write the bound addresses (JSON: http, grpc, pid); removed at exit.
+    api: the OpenAI facade: host (loopback by default, "0.0.0.0" only on a trusted network),
+      port (0: a free one), the model id it reports, request timeout and body limits.
     grpc_port: also serve JetStream's gRPC `Orchestrator` on this port (0: a free one); None: no.
-    model_name: the model id the facade reports.
-    request_timeout_s: longest one HTTP request may take.
-    max_body_bytes: largest HTTP request body.
-    serve_seconds: stop after this long (smoke runs and tests); None: until a signal.
-    seed: init seed of the random policy.
+    address_file: where to write the bound addresses (JSON: http, grpc, pid); removed at exit.
     weights_dir: a trainer's `DirectoryWeightPublisher` root (disaggregated RL: the trainer and
       this server are separate programs): the version its LATEST pointer names is loaded
       before the address is announced, and each one published later is swapped in between
@@ -102,6 +87,7 @@ def serve(
     warmup_modes: sampling modes ("greedy", "sample", "truncate") to compile every engine shape
       for before the address is announced, so no request pays a compile; (): compile on demand.
     cpus: the cores this server may use (a trainer on the same host gets the others); (): all.
+    serve_seconds: stop after this long (smoke runs and tests); None: until a signal.
   """
   if weights_poll_s <= 0:
     raise AsearcherError(f"weights_poll_s must be > 0, got {weights_poll_s}")
@@ -110,17 +96,15 @@ def serve(
     raise AsearcherError(f"unknown warmup_modes {sorted(bad)}: use greedy, sample, truncate")
   if cpus:
     pin_cpus(cpus)
-  policy, tokenizer, what = load_policy(model_dir, model, tokenizer_dir, seed)
-  eng = Engine.from_model(policy, tokenizer, engine)
-  api_config = OpenAIServerConfig(
-    host=host, port=port, model_name=model_name, request_timeout_s=request_timeout_s,
-    max_body_bytes=max_body_bytes,
-  )  # fmt: skip
+  module, tokenizer, what = load_policy(
+    policy.model_dir, policy.model, policy.tokenizer_dir, policy.seed
+  )
+  eng = Engine.from_model(module, tokenizer, engine)
   log.info("serving %s: %d slots x %d tokens", what, engine.max_slots, engine.max_seq_len)
   if warmup_modes:
     log.info("compiled the engine in %.1f s", eng.warmup(modes=tuple(warmup_modes)))
   asyncio.run(
-    _serve(eng, driver, api_config, grpc_port, address_file, serve_seconds, weights_dir,
+    _serve(eng, driver, api, grpc_port, address_file, serve_seconds, weights_dir,
            weights_poll_s)
   )  # fmt: skip
   return 0

@@ -7,6 +7,7 @@ ships one, else the packaged Qwen2 vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from flax import nnx
@@ -14,6 +15,20 @@ from flax import nnx
 from asearcher_jax.model import hf_io, presets, transformer
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+  """Which policy a program loads (the arguments of `load_policy`, bindable from gin)."""
+
+  # A Hugging Face Qwen2/Qwen3 checkpoint directory; None: a random `model` policy.
+  model_dir: str | None = None
+  # Architecture of the random policy; None: the qwen2-tiny preset.
+  model: ModelConfig | None = None
+  # Tokenizer files; None: model_dir's when it has them, else the packaged Qwen2 vocabulary.
+  tokenizer_dir: str | None = None
+  # Init seed of the random policy.
+  seed: int = 0
 
 
 def load_policy(

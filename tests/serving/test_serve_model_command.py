@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.client import RemoteClientConfig, RemoteGenerationClient
 from asearcher_jax.serving.jetstream import import_core
 from asearcher_jax.serving.types import SamplingParams
@@ -53,7 +54,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
 async def test_serve_model_serves_http_and_grpc_then_stops_on_sigterm(tmp_path, tokenizer):
   addr = tmp_path / "policy.addr"
   proc = _start(
-    "--gin_param=serve_model.serve.port=0",
+    "--gin_param=openai_api.OpenAIServerConfig.port=0",
     f"--gin_param=serve_model.serve.address_file='{addr}'",
     "--gin_param=serve_model.serve.grpc_port=0",
   )
@@ -102,7 +103,7 @@ def test_serve_model_bad_checkpoint_is_a_one_line_error(tmp_path):
   proc = subprocess.run(
     [
       sys.executable, "-m", "asearcher_jax.main", "serve-model",
-      f"--gin_param=serve_model.serve.model_dir='{tmp_path / 'nope'}'",
+      f"--gin_param=loading.PolicyConfig.model_dir='{tmp_path / 'nope'}'",
       "--gin_param=serve_model.serve.serve_seconds=1",
     ],
     cwd=REPO, capture_output=True, text=True, timeout=T,
@@ -119,7 +120,7 @@ def test_serve_model_on_a_taken_port_is_a_one_line_error():
     port = taken.getsockname()[1]
     proc = subprocess.run(
       [sys.executable, "-m", "asearcher_jax.main", "serve-model", *SMALL_ENGINE,
-       f"--gin_param=serve_model.serve.port={port}", "--gin_param=serve_model.serve.serve_seconds=1"],
+       f"--gin_param=openai_api.OpenAIServerConfig.port={port}", "--gin_param=serve_model.serve.serve_seconds=1"],
       cwd=REPO, capture_output=True, text=True, timeout=T,
       env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
@@ -233,5 +234,10 @@ def test_serve_model_refuses_to_serve_its_init_when_the_published_weights_are_un
                      num_heads=2, num_kv_heads=1, max_position_embeddings=64)  # fmt: skip
   addr = tmp_path / "addr.json"
   with pytest.raises(AsearcherError, match="cannot load the published weights"):
-    commands.serve(model=tiny, weights_dir=str(weights), address_file=str(addr), serve_seconds=5)
+    commands.serve(
+      policy=PolicyConfig(model=tiny),
+      weights_dir=str(weights),
+      address_file=str(addr),
+      serve_seconds=5,
+    )
   assert not addr.exists()  # never announced
