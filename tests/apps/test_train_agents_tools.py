@@ -1,0 +1,205 @@
+"""`asearcher train` trains any registered agent with any toolbox, through the real entry point.
+
+Shown (CPU, loopback only, 2 steps each): choosing `asearcher`, `reasoning` or `search_r1` by a
+gin binding trains groups made by that agent (the replay log names it, and its trajectories start
+with that agent's own prompt); with the web toolbox (Serper search + the Jina reader, here local
+servers speaking their wire formats) the metrics show the tool cache and the budget spent, and a
+second run in replay-only mode answers its searches from the recorded cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import gin
+import numpy as np
+import pytest
+
+from asearcher_jax import main
+from asearcher_jax.apps.quickstart import QUICKSTART_WORLD
+from asearcher_jax.rl.replay import GROUPS_LOG, _read_records, decode_group
+from asearcher_jax.synthwiki.wiki import build_synthwiki
+from asearcher_jax.testing.agent_workload import write_byte_tokenizer
+from asearcher_jax.tokenizer import Tokenizer
+from tests.tools import fakes
+from tests.tools.conftest import LocalApp
+
+WARM_START = Path(main.__file__).parent / "assets" / "checkpoints" / "synthwiki_sft"
+# What only that agent's prompt says (agent/prompts and agent/search_r1.py).
+PROMPT_MARKS = {
+  "asearcher": "<search>",
+  "reasoning": "<search>",
+  "search_r1": "<information>",
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_gin():
+  """Each `main.main` call parses and locks gin's global config: clear it between runs."""
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+@pytest.fixture(scope="module")
+def byte_tok_dir(tmp_path_factory) -> Path:
+  return write_byte_tokenizer(tmp_path_factory.mktemp("bytetok"))
+
+
+def small_run(run_dir: Path, *extra: str) -> list[str]:
+  """2 steps of B = 1 group of n = 2, no checkpoint I/O beyond the last step."""
+  params = [
+    f'commands.train.run_dir="{run_dir}"',
+    "commands.train.max_questions=8",
+    "train_config.TrainConfig.train_steps=2",
+    "train_config.TrainConfig.batch_timeout_s=60.0",
+    "staleness.StalenessConfig.batch_groups=1",
+    "staleness.StalenessConfig.max_concurrent=2",
+    "rollout.RolloutConfig.group_size=2",
+    "rollout.RolloutConfig.episode_timeout_s=60.0",
+    *extra,
+  ]
+  return ["train", *(f"--gin_param={p}" for p in params)]
+
+
+def groups(run_dir: Path):
+  records, _ = _read_records(run_dir / "replay" / GROUPS_LOG)
+  return [decode_group(r) for r in records]
+
+
+def prompt_text(tok: Tokenizer, group) -> str:
+  seq = group.trajectories[0][0]
+  prompt = np.asarray(seq["tokens"])[np.asarray(seq["loss_mask"]) == 0]
+  return tok.decode(prompt.tolist())
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+  text = (run_dir / "metrics" / "metrics.jsonl").read_text()
+  return [json.loads(x) for x in text.splitlines() if x]
+
+
+@pytest.mark.parametrize("agent", ["asearcher", "reasoning", "search_r1"])
+def test_train_chooses_the_agent_by_name(tmp_path, byte_tok_dir, agent, capsys):
+  run_dir = tmp_path / agent
+  argv = small_run(
+    run_dir,
+    "presets.model_config.vocab_size=260",
+    f'commands.train.tokenizer_dir="{byte_tok_dir}"',
+    f'train_config.AgentChoice.name="{agent}"',
+    'wiring.ToolsConfig.kind="none"',  # a random policy never calls tools: no server needed
+    # Byte-level prompts are long: room for them, and 32 generated tokens per call.
+    "engine.EngineConfig.max_seq_len=4096",
+    "engine.EngineConfig.prefill_buckets=(2048, 4096)",
+    "asearcher.AsearcherAgentConfig.max_tokens=4096",
+    "asearcher.AsearcherAgentConfig.max_new_tokens=32",
+    "reasoning.ReasoningAgentConfig.max_context_tokens=4096",
+    "reasoning.ReasoningAgentConfig.max_read_prompt_tokens=3072",
+    "reasoning.ReasoningAgentConfig.max_new_tokens=32",
+    "search_r1.SearchR1AgentConfig.max_tokens=4096",
+    "search_r1.SearchR1AgentConfig.max_new_tokens=32",
+  )
+  assert main.main(argv) == 0
+  summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert summary["version"] == 2 and summary["agent"] == agent
+  trained = groups(run_dir)
+  assert trained and {g.metadata["agent"] for g in trained} == {agent}
+  tok = Tokenizer.from_dir(byte_tok_dir)
+  for g in trained:
+    assert PROMPT_MARKS[agent] in prompt_text(tok, g)
+
+
+class FakeWeb:
+  """The Serper and Jina fakes on 127.0.0.1, on their own event-loop thread (the trainer's
+  rollout loop is another one)."""
+
+  def __init__(self) -> None:
+    self.counters = fakes.Counters()
+    self.loop = asyncio.new_event_loop()
+    self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+    self.apps: list[LocalApp] = []
+
+  def _run(self, coro):
+    return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+  def __enter__(self) -> FakeWeb:
+    self.thread.start()
+    for app in (fakes.serper_app(self.counters), fakes.jina_app(self.counters)):
+      self.apps.append(self._run(LocalApp(app).start()))
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for app in self.apps:
+      self._run(app.stop())
+    self.loop.call_soon_threadsafe(self.loop.stop)
+    self.thread.join(30)
+
+  @property
+  def serper_url(self) -> str:
+    return self.apps[0].url
+
+  @property
+  def jina_url(self) -> str:
+    return self.apps[1].url
+
+  def calls(self) -> int:
+    return sum(self.counters.calls.values())
+
+
+def synthwiki_questions(path: Path, n: int = 8) -> Path:
+  """Held-out questions of the warm start's world (its tokenizer speaks only that world)."""
+  sw = build_synthwiki(QUICKSTART_WORLD)
+  test = [q for q in sw.questions if q.split == "test"][:n]
+  rows = [{"id": q.id, "question": q.question, "answer": q.answer} for q in test]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def test_train_with_the_web_toolbox_records_then_replays_tool_calls(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("SERPER_API_KEY", fakes.SERPER_KEY)
+  monkeypatch.setenv("JINA_API_KEY", fakes.JINA_KEY)
+  cache = tmp_path / "cache" / "tools.sqlite"
+  questions = synthwiki_questions(tmp_path / "questions.jsonl")
+  with FakeWeb() as web:
+    # The shipped warm start searches first, and at a low temperature its first query for a
+    # question is nearly always the same (the replay run asks it again); the smoke reward varies
+    # within every group, so both runs train whatever the searches return.
+    def run(name: str, mode: str) -> list[dict]:
+      argv = small_run(
+        tmp_path / name,
+        f'commands.train.model_dir="{WARM_START}"',
+        f'commands.train.questions="{questions}"',
+        "train_config.TrainConfig.temperature=0.3",
+        'train_config.TrainConfig.reward="smoke"',
+        "rollout.RolloutConfig.group_size=4",
+        "engine.EngineConfig.max_seq_len=2048",
+        "engine.EngineConfig.prefill_buckets=(1024, 2048)",
+        'asearcher.AsearcherAgentConfig.prompt="synthwiki"',
+        "asearcher.AsearcherAgentConfig.max_tokens=2048",
+        "asearcher.AsearcherAgentConfig.max_new_tokens=64",
+        "asearcher.AsearcherAgentConfig.topk=3",
+        'wiring.ToolsConfig.kind="web"',
+        f'search.SerperConfig.base_url="{web.serper_url}"',
+        f'access.JinaConfig.base_url="{web.jina_url}"',
+        f'cache.CacheConfig.path="{cache}"',
+        f'cache.CacheConfig.mode="{mode}"',
+      )
+      gin.clear_config()
+      assert main.main(argv) == 0
+      capsys.readouterr()
+      return metrics_rows(tmp_path / name)
+
+    recorded = run("record", "read-write")
+    calls_recorded = web.calls()
+    last = recorded[-1]
+    assert last["tools/search/calls"] > 0 and calls_recorded > 0
+    assert last["tools/cache/writes"] > 0 and last["tools/serper/paid_calls"] > 0
+    assert last["tools/cost_usd"] > 0  # the budget spent on paid calls
+    assert last["tools/cache/hits"] > 0  # a group's episodes often search alike
+
+    replayed = run("replay", "replay-only")
+    last = replayed[-1]
+    assert web.calls() == calls_recorded  # replay never touches the network
+    assert last["tools/cache/hits"] > 0 and last["tools/cost_usd"] == 0.0
