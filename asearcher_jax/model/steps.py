@@ -72,6 +72,29 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   return optax.chain(*parts)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+  """Mixed precision: what the optimizer updates vs what the forward pass computes in.
+
+  A bf16 checkpoint trained in pure bf16 loses most updates at RL learning rates: a weight of
+  magnitude ~0.02 has a bf16 spacing of ~1e-4, so an Adam step of ~1e-6 rounds back to the same
+  value. The learner therefore keeps master parameters (and, through them, Adam's moments) in
+  `master_dtype`, while matmuls run in the model config's `dtype` (bf16 on accelerators); the
+  engine gets a copy cast back to the dtype each parameter was loaded in.
+  """
+
+  # Dtype of the master parameters and optimizer moments; None keeps each parameter's own.
+  master_dtype: str | None = "float32"
+
+
+def cast_floating(tree: Any, dtype: str | None) -> Any:
+  """`tree` with every floating-point leaf cast to `dtype`; None returns it unchanged."""
+  if dtype is None:
+    return tree
+  dt = jnp.dtype(dtype)
+  return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array

@@ -193,6 +193,7 @@ class Learner:
     *,
     ppo: PPOConfig,
     optimizer: steps.OptimizerConfig,
+    precision: steps.PrecisionConfig = steps.PrecisionConfig(),
     mesh: Mesh | None = None,
     rules: Mapping = sharding_lib.DEFAULT_RULES,
     version: int = 0,
@@ -201,6 +202,9 @@ class Learner:
     self.mesh = mesh
     self.version = version
     self._optimizer = steps.make_optimizer(optimizer)
+    # The engine gets each parameter back in the dtype it was loaded in (bf16 weights to serve).
+    self._serve_dtypes = jax.tree.map(lambda x: x.dtype, params)
+    params = steps.cast_floating(params, precision.master_dtype)
     if mesh is not None:
       params = jax.device_put(params, sharding_lib.param_shardings(params, mesh, rules))
     self.state = steps.init_train_state(params, self._optimizer)
@@ -223,8 +227,12 @@ class Learner:
     return self.state.params
 
   def params_copy(self) -> nnx.State:
-    """A copy that survives the next (donating) optimizer step."""
-    return jax.tree.map(jnp.copy, self.state.params)
+    """A copy for the engine, in the dtypes the policy was loaded in, that survives the next
+    (donating) optimizer step."""
+    return jax.tree.map(
+      lambda x, d: x.astype(d) if x.dtype != d else jnp.copy(x), self.state.params,
+      self._serve_dtypes,
+    )  # fmt: skip
 
   def restore(self, state: steps.TrainState, version: int) -> None:
     self.state = state
