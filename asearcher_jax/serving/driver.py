@@ -17,15 +17,10 @@ when it was dispatched, and a slot's token counts only if the same request still
 results are exactly those of a lock-step loop. A weight update first drains the step in flight,
 so re-prefill sees every token produced under the old weights.
 
-Prefix reuse (`DriverConfig.prefix_reuse`): a request that leaves its slot (finished or aborted)
-parks it: the slot is marked inactive in the engine (decode steps then neither advance it nor
-write inside its cache rows) and its token sequence is remembered -- prompt + tokens but the
-last, whose keys/values may not exist (it was sampled, and only a step dispatched ahead may have
-fed it; reuse never relies on that). A new request whose prompt starts with a parked sequence (an
-agent's next turn: previous prompt + output + tool result) is admitted into that slot by
-prefilling only the rest of its prompt at that offset, which gives the same tokens and logprobs
-as a full prefill. Parked slots are reclaimed least recently parked first, and forgotten on a
-weight update (their keys/values come from the old weights).
+Prefix reuse (`DriverConfig.prefix_reuse`, prefix_cache.py): a request that leaves its slot parks
+it with its keys/values; a later request whose prompt starts with the parked sequence (an agent's
+next turn) is admitted into that slot by prefilling only the rest of its prompt, with the same
+tokens and logprobs as a full prefill. A weight update that recomputes forgets parked slots.
 
 In-flight updates without re-prefill (`DriverConfig.kv_on_update="keep"`, PipelineRL's and
 prime-rl's choice): the swap leaves every slot's keys/values -- in-flight and parked -- as the older
@@ -43,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -55,8 +49,11 @@ from concurrent.futures import Future
 import numpy as np
 from flax import nnx
 
-from asearcher_jax.serving.engine import LOGPROB, TOKEN, VERSION, DecodeState, Engine
+from asearcher_jax.serving.engine import Engine
+from asearcher_jax.serving.engine_steps import LOGPROB, TOKEN, VERSION, DecodeState
 from asearcher_jax.serving.jetstream import engine_api
+from asearcher_jax.serving.prefix_cache import PrefixCache
+from asearcher_jax.serving.request import Request
 from asearcher_jax.serving.sampling import mode_for
 from asearcher_jax.serving.types import EngineError, GenerationResult, SamplingParams, StopReason
 
@@ -98,31 +95,12 @@ class DriverConfig:
       raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {self.kv_on_update!r}")
 
 
-@dataclasses.dataclass(eq=False)
-class _Request:
-  id: str
-  prompt: list[int]
-  sampling: SamplingParams
-  max_new_tokens: int
-  stop: tuple[str, ...]
-  stop_ids: frozenset[int]
-  seed: int
-  loop: asyncio.AbstractEventLoop
-  future: asyncio.Future
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
-  slot: int | None = None
-  aborted: bool = False
-  submitted: float = dataclasses.field(default_factory=time.monotonic)
-
-
 @dataclasses.dataclass
 class _InFlight:
   """A dispatched generate step whose tokens have not been read back yet."""
 
   result: engine_api.ResultTokens  # device arrays; reading them waits for the step
-  owners: list[_Request | None]  # the request in each slot when the step was dispatched
+  owners: list[Request | None]  # the request in each slot when the step was dispatched
 
 
 @dataclasses.dataclass
@@ -142,19 +120,16 @@ class Driver:
     self._params = engine.load_params()
     self._version = int(self._params.version)
     self._state: DecodeState = engine.init_decode_state()
-    self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
-    # Parked slots (prefix reuse), least recently parked first: slot -> the tokens whose
-    # keys/values its cache rows hold (positions 0..len-1). Engine thread only.
-    self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+    self._slots: list[Request | None] = [None] * engine.max_concurrent_decodes
+    self._prefixes = PrefixCache(enabled=cfg.prefix_reuse)  # engine thread only
     self._in_flight: _InFlight | None = None  # engine thread only
     self._lock = threading.Lock()  # guards _queue, _by_id, _update
-    self._queue: collections.deque[_Request] = collections.deque()
-    self._by_id: dict[str, _Request] = {}
+    self._queue: collections.deque[Request] = collections.deque()
+    self._by_id: dict[str, Request] = {}
     self._update: _Update | None = None
     self._wake = threading.Event()
     self._stopping = False
     self._ids = itertools.count()
-    self._max_stop_chars = 0
     self.metrics = collections.Counter()
     self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
     self._thread.start()
@@ -178,29 +153,15 @@ class Driver:
   ) -> GenerationResult:
     """Continues `token_ids`; see GenerationClient. Raises ValueError for a prompt that does not
     fit, EngineError if the engine failed on it, TimeoutError after `timeout` seconds."""
-    prompt = [int(t) for t in token_ids]
-    limit = self.engine.cfg.max_seq_len
-    if not prompt:
-      raise ValueError("empty prompt")
-    if len(prompt) >= limit:
-      raise ValueError(
-        f"prompt of {len(prompt)} tokens does not fit the context (max_seq_len={limit})"
-      )
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    loop = asyncio.get_running_loop()
     stop_ids = self.engine.tokenizer.stop_token_ids if stop_token_ids is None else stop_token_ids
-    seed = sampling.seed if sampling.seed is not None else int(np.random.randint(0, 2**31 - 1))
-    req = _Request(
-      id=request_id or f"req-{next(self._ids)}",
-      prompt=prompt,
-      sampling=sampling,
-      max_new_tokens=min(max_new_tokens, limit - len(prompt)),
-      stop=tuple(s for s in stop if s),
-      stop_ids=frozenset(int(t) for t in stop_ids),
-      seed=seed,
-      loop=loop,
-      future=loop.create_future(),
+    req = Request.create(
+      request_id or f"req-{next(self._ids)}",
+      token_ids,
+      sampling,
+      max_new_tokens,
+      stop,
+      stop_ids,
+      max_seq_len=self.engine.cfg.max_seq_len,
     )
     with self._lock:
       if req.id in self._by_id:
@@ -222,10 +183,7 @@ class Driver:
     tokens already paid for survive a crash."""
     with self._lock:
       req = self._by_id.get(request_id)
-    if req is None:
-      return None
-    n = len(req.versions)  # appended last: the three lists agree up to n
-    return list(req.tokens[:n]), list(req.logprobs[:n]), list(req.versions[:n])
+    return None if req is None else req.progress()
 
   def abort(self, request_id: str) -> bool:
     """Aborts a request; it returns what it generated so far with stop_reason "abort"."""
@@ -291,7 +249,7 @@ class Driver:
       "requests_failed": self.metrics["failed"],
       "requests_aborted": self.metrics["aborted"],
       "engine_errors": self.metrics["engine_errors"],
-      "slots_parked": len(self._parked),
+      "slots_parked": len(self._prefixes),
       "prefix_hits": self.metrics["prefix_hits"],
       "prefix_tokens_reused": self.metrics["prefix_tokens_reused"],
       "prefill_tokens": self.metrics["prefill_tokens"],
@@ -341,7 +299,7 @@ class Driver:
       self._params = self.engine.versioned(update.params, update.version)
       self._version = update.version
       if not keep:
-        self._parked.clear()  # their keys/values come from the old weights
+        self._prefixes.clear()  # their keys/values come from the old weights
         for slot, req in enumerate(self._slots):
           if req is not None:
             self._reprefill(slot, req)
@@ -354,7 +312,7 @@ class Driver:
     self.metrics["updates"] += 1
     update.done.set_result(ms)
 
-  def _reprefill(self, slot: int, req: _Request) -> None:
+  def _reprefill(self, slot: int, req: Request) -> None:
     """Rebuilds a slot's cache under the current weights: prompt + all generated tokens but the
     last, which was sampled already and is fed by the next step."""
     ctx = req.prompt + req.tokens[:-1]
@@ -384,22 +342,22 @@ class Driver:
     goes into that slot with a suffix prefill; the rest, grouped by prefill bucket, are prefilled
     together in chunks of 8/4/2/1 (a handful of compiled shapes) and inserted into free slots,
     then into reclaimed parked slots (least recently parked first)."""
-    free = [i for i, r in enumerate(self._slots) if r is None and i not in self._parked]
+    free = self._free_slots()
     with self._lock:
-      n = min(len(free) + len(self._parked), self.cfg.max_admit_per_step, len(self._queue))
+      n = min(len(free) + len(self._prefixes), self.cfg.max_admit_per_step, len(self._queue))
       taken = [self._queue.popleft() for _ in range(n)]
-    fresh: list[_Request] = []
+    fresh: list[Request] = []
     for req in taken:
-      slot = self._match(req.prompt)
-      if slot is None:
+      hit = self._prefixes.take(req.prompt)
+      if hit is None:
         fresh.append(req)
       else:
-        self._admit_reuse(req, slot, self._parked.pop(slot))
-    free = [i for i, r in enumerate(self._slots) if r is None and i not in self._parked]
+        self._admit_reuse(req, *hit)
+    free = self._free_slots()
     while len(free) < len(fresh):  # reclaim: the parked slot's prefix is forgotten
-      free.append(self._parked.popitem(last=False)[0])
+      free.append(self._prefixes.evict())
       self.metrics["prefix_evictions"] += 1
-    by_bucket: dict[int, list[_Request]] = collections.defaultdict(list)
+    by_bucket: dict[int, list[Request]] = collections.defaultdict(list)
     for req in fresh:
       by_bucket[self.engine.bucket_for(len(req.prompt))].append(req)
     for reqs in by_bucket.values():
@@ -409,25 +367,20 @@ class Driver:
         self._admit_chunk(chunk, [free.pop(0) for _ in chunk])
     return len(taken)
 
-  def _match(self, prompt: list[int]) -> int | None:
-    """The parked slot with the longest sequence that the prompt starts with, or None."""
-    best, best_len = None, 0
-    for slot, seq in self._parked.items():
-      if best_len < len(seq) <= len(prompt) and prompt[: len(seq)] == seq:
-        best, best_len = slot, len(seq)
-    return best
+  def _free_slots(self) -> list[int]:
+    """Slots that hold neither a request nor a parked prefix."""
+    return [i for i, r in enumerate(self._slots) if r is None and i not in self._prefixes]
 
-  def _park(self, slot: int, req: _Request) -> None:
+  def _park(self, slot: int, req: Request) -> None:
     """Keeps a slot whose request just left it (finished or aborted) for prefix reuse. Its cache
     holds prompt + tokens[:-1]: the last token was sampled but never fed (a step dispatched
     ahead may have fed it, but that is not relied upon)."""
-    if not self.cfg.prefix_reuse:
+    if not self._prefixes.enabled:
       return
     self._state = self.engine.release(self._state, slot)
-    self._parked[slot] = req.prompt + req.tokens[:-1]
-    self._parked.move_to_end(slot)
+    self._prefixes.park(slot, req.prompt + req.tokens[:-1])
 
-  def _admit_reuse(self, req: _Request, slot: int, cached: list[int]) -> None:
+  def _admit_reuse(self, req: Request, slot: int, cached: list[int]) -> None:
     t0 = time.perf_counter()
     start, bucket, window = self.engine.extend_plan(len(cached), len(req.prompt))
     try:
@@ -447,8 +400,7 @@ class Driver:
       log.exception("suffix prefill failed for %s", req.id)
       self.metrics["engine_errors"] += 1
       self._state = self.engine.init_decode_state()  # the old one may have been donated
-      self._parked.clear()
-      self._fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+      self._fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))  # clears parked
       self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return
     self.metrics["prefill_s"] += time.perf_counter() - t0
@@ -463,7 +415,7 @@ class Driver:
     req.slot = slot
     self._slots[slot] = req
 
-  def _admit_chunk(self, chunk: list[_Request], slots: list[int]) -> None:
+  def _admit_chunk(self, chunk: list[Request], slots: list[int]) -> None:
     t0 = time.perf_counter()
     try:
       prefixes = self.engine.prefill_many(
@@ -501,7 +453,7 @@ class Driver:
     if live:
       # Each live slot feeds its pending token at position len(prompt) + len(tokens) - 1, where
       # tokens include the one the previous step (not yet read back) produces for it.
-      def length(slot: int, r: _Request) -> int:
+      def length(slot: int, r: Request) -> int:
         ahead = previous is not None and previous.owners[slot] is r
         return len(r.prompt) + len(r.tokens) + ahead
 
@@ -556,59 +508,29 @@ class Driver:
     self.metrics["engine_errors"] += 1
     self._in_flight = None  # computed from the failed state, if at all
     self._state = self.engine.init_decode_state()  # the old one may have been donated
-    self._parked.clear()
     self._fail_active(EngineError(f"generate step failed: {type(e).__name__}: {e}"))
 
-  def _append(self, req: _Request, token: int, logprob: float, version: int) -> StopReason | None:
+  def _append(self, req: Request, token: int, logprob: float, version: int) -> StopReason | None:
     """Records one generated token; returns why the request stops now, or None."""
-    req.tokens.append(token)
-    req.logprobs.append(logprob)
-    req.versions.append(version)
     self.metrics["tokens"] += 1
-    reason: StopReason | None = None
-    if token in req.stop_ids or (req.stop and self._hit_stop_string(req)):
-      reason = "stop"
-    elif len(req.tokens) >= req.max_new_tokens:
-      reason = "length"
-    return reason
-
-  def _hit_stop_string(self, req: _Request) -> bool:
-    longest = max(len(s) for s in req.stop)
-    window = self.engine.tokenizer.decode(req.tokens[-(longest + 2) :])
-    return any(s in window for s in req.stop)
+    return req.append(token, logprob, version, self.engine.tokenizer.decode)
 
   def _fail_active(self, error: Exception) -> None:
     self._in_flight = None  # its tokens belong to the requests failed here
-    self._parked.clear()
+    self._prefixes.clear()  # their keys/values may be lost with the decode state
     for slot, req in enumerate(self._slots):
       if req is not None:
         self._slots[slot] = None
         self._finish(req, error=error)
 
   def _finish(
-    self, req: _Request, reason: StopReason | None = None, error: Exception | None = None
+    self, req: Request, reason: StopReason | None = None, error: Exception | None = None
   ) -> None:
     with self._lock:
       self._by_id.pop(req.id, None)
     if error is not None:
       self.metrics["failed"] += 1
-      outcome: object = error
+      req.resolve(error)
     else:
       self.metrics["aborted" if reason == "abort" else "done"] += 1
-      outcome = GenerationResult(
-        tokens=list(req.tokens),
-        logprobs=list(req.logprobs),
-        versions=list(req.versions),
-        stop_reason=reason,
-      )
-
-    def resolve() -> None:
-      if req.future.done():
-        return
-      if isinstance(outcome, Exception):
-        req.future.set_exception(outcome)
-      else:
-        req.future.set_result(outcome)
-
-    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-      req.loop.call_soon_threadsafe(resolve)
+      req.resolve(req.result(reason))

@@ -4,7 +4,8 @@ That release (a) imports `seqio` (and through it TensorFlow) at import time only
 SentencePiece vocabularies we never use, (b) calls `jax.tree_map`, which current jax removed, and
 (c) sets the root logger to DEBUG with a stdout handler when the orchestrator is imported. This
 module fixes all three before anything else imports jetstream; everything in this package imports
-jetstream through here.
+jetstream through here. It also holds what JetStream's API asks of our engine and tokenizer that
+does not depend on the model: `EngineContract` and `JetStreamTokenizer`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import sys
 import types
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +127,46 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
   @property
   def stop_tokens(self) -> set[int]:
     return set(self.tokenizer.stop_token_ids)
+
+
+class EngineContract(engine_api.Engine):
+  """JetStream's Engine properties and tokenizer methods, written once for both of our engines
+  (`engine.Engine` and the orchestrator's `jetstream_server.JetStreamEngine`). A subclass sets
+  `tokenizer` (ours), `cfg` (an `EngineConfig`: max_slots, max_seq_len) and `_mesh`, and writes
+  the rest of the contract: load_params, init_decode_state, prefill, insert, generate."""
+
+  tokenizer: Tokenizer
+  cfg: Any  # engine.EngineConfig (imported there: engine.py imports this module)
+  _mesh: jax.sharding.Mesh
+
+  def get_prefix_destination_sharding(self) -> Any:
+    return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+
+  def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+    return tokenizer_pb2.TokenizerParameters(path="hf")
+
+  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
+    return JetStreamTokenizer(self.tokenizer)
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.cfg.max_slots
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self.cfg.max_seq_len
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self._mesh
+
+  @property
+  def colocated_cpus(self) -> None:
+    return None
 
 
 def pad_ids(ids, pad_id: int, *, jax_padding: bool = True) -> tuple[jax.Array | np.ndarray, int]:

@@ -34,14 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asearcher_jax.serving.engine import LENGTH, VALID, Engine, Prefix, VersionedParams
-from asearcher_jax.serving.jetstream import (
-  JetStreamTokenizer,
-  engine_api,
-  import_core,
-  pad_ids,
-  tokenizer_pb2,
-)
+from asearcher_jax.serving.engine import Engine
+from asearcher_jax.serving.engine_steps import LENGTH, VALID, Prefix, VersionedParams
+from asearcher_jax.serving.jetstream import EngineContract, import_core, pad_ids
 
 log = logging.getLogger(__name__)
 _core = import_core()
@@ -55,12 +50,13 @@ def _fix_result(data: jax.Array, start: jax.Array, ok: jax.Array, max_seq_len: i
   return data.at[:, VALID].set(valid.astype(data.dtype))
 
 
-class JetStreamEngine(engine_api.Engine):
+class JetStreamEngine(EngineContract):
   """Adapts an `Engine` to the 0.2.2 orchestrator (see the module docstring); shares its compiled
   functions and weights, so serving both paths from one process compiles nothing twice."""
 
   def __init__(self, engine: Engine):
     self.engine = engine
+    self.tokenizer, self.cfg, self._mesh = engine.tokenizer, engine.cfg, engine.mesh
     slots = engine.max_concurrent_decodes
     # Per slot, set by insert and read by generate (both on the orchestrator's generate thread).
     self._start = np.zeros((slots,), np.int32)  # cache length when the slot was inserted
@@ -122,35 +118,6 @@ class JetStreamEngine(engine_api.Engine):
 
   def init_decode_state(self, *args, **kwargs) -> Any:
     return self.engine.init_decode_state()
-
-  def get_prefix_destination_sharding(self) -> Any:
-    return self.engine.get_prefix_destination_sharding()
-
-  def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-    return self.engine.get_tokenizer()
-
-  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
-    return JetStreamTokenizer(self.engine.tokenizer)
-
-  @property
-  def max_concurrent_decodes(self) -> int:
-    return self.engine.max_concurrent_decodes
-
-  @property
-  def samples_per_slot(self) -> int:
-    return 1
-
-  @property
-  def max_prefill_length(self) -> int:
-    return self.engine.max_prefill_length
-
-  @property
-  def mesh(self) -> jax.sharding.Mesh:
-    return self.engine.mesh
-
-  @property
-  def colocated_cpus(self) -> None:
-    return None
 
 
 class _Driver(_core.orchestrator.Driver):

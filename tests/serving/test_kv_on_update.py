@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from asearcher_jax.serving.driver import DriverConfig
-from asearcher_jax.serving.engine import TOKEN, Engine, EngineConfig
+from asearcher_jax.serving.engine import Engine, EngineConfig
+from asearcher_jax.serving.engine_steps import TOKEN
 from tests.serving.conftest import tiny_model
 from tests.serving.test_driver_correctness import (
   GREEDY,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.types import SamplingParams
 from tests.serving.conftest import tiny_model
 from tests.serving.test_driver_correctness import greedy_reference, learner_logprobs
@@ -182,3 +183,46 @@ async def test_prompt_equal_to_parked_sequence(make_driver):
   assert s["prefix_hits"] == 1 and s["prefix_tokens_reused"] == len(same) - 1
   assert res.tokens == greedy_reference(model, same, 6)
   assert res.tokens[0] == first.tokens[-1]
+
+
+# --- PrefixCache on its own: bookkeeping, no engine ---------------------------------------------
+
+
+def test_cache_takes_the_longest_parked_prefix_and_forgets_it():
+  cache = PrefixCache()
+  cache.park(0, [1, 2])
+  cache.park(1, [1, 2, 3])
+  cache.park(2, [1, 2, 3, 4, 5, 6])  # longer than the prompt: never a match
+  cache.park(3, [1, 9])
+  assert cache.take([1, 2, 3, 4]) == (1, [1, 2, 3])
+  assert 1 not in cache and len(cache) == 3
+  assert cache.take([1, 2, 3, 4]) == (0, [1, 2])
+  assert cache.take([1, 2, 3, 4]) is None
+  assert cache.take([7]) is None
+
+
+def test_cache_equal_lengths_take_the_least_recently_parked():
+  cache = PrefixCache()
+  cache.park(5, [1, 2])
+  cache.park(6, [1, 2])
+  assert cache.take([1, 2, 3]) == (5, [1, 2])
+
+
+def test_cache_evicts_least_recently_parked_first():
+  cache = PrefixCache()
+  for slot in (0, 1, 2):
+    cache.park(slot, [slot])
+  cache.park(0, [0, 7])  # parked again: now the most recent
+  assert [cache.evict(), cache.evict(), cache.evict()] == [1, 2, 0]
+  with pytest.raises(KeyError):
+    cache.evict()
+
+
+def test_cache_clear_and_disabled():
+  cache = PrefixCache()
+  cache.park(0, [1])
+  cache.clear()
+  assert len(cache) == 0 and cache.take([1, 2]) is None
+  off = PrefixCache(enabled=False)
+  off.park(0, [1])
+  assert len(off) == 0 and 0 not in off

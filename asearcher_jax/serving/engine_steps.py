@@ -1,0 +1,263 @@
+"""The engine's device side: its state types and the pure step functions, jitted once per process.
+
+`Engine` (engine.py) is the thin stateful wrapper the JetStream contract and the driver call; everything
+that runs on the device is here, at module level (prefill, insert, one decode step over every slot or
+over a few rows, the two halves of a suffix prefill, release). Every generate step writes, per slot,
+the sampled token, its logprob under the sampling distribution and the policy version of the weights
+that produced it into one packed `ResultTokens` array (columns below), so nothing else crosses back
+to the host per step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from asearcher_jax.model.kv_cache import KVCache
+from asearcher_jax.model.transformer import Transformer
+from asearcher_jax.serving.jetstream import engine_api
+from asearcher_jax.serving.sampling import SamplingMode, sample
+
+# ResultTokens.data columns.
+TOKEN, VALID, LENGTH, LOGPROB, VERSION = range(5)
+
+
+@flax.struct.dataclass
+class VersionedParams:
+  """Model weights with the policy version they are (the version rides into every token)."""
+
+  state: nnx.State
+  version: jax.Array  # int32 scalar
+
+
+@flax.struct.dataclass
+class Prefix:
+  """A prefilled request, ready to insert: its cache rows and its first sampled token."""
+
+  cache: KVCache  # batch 1, length = bucket
+  true_length: jax.Array  # tokens in the cache
+  next_token: jax.Array  # sampled from the last prompt position; fed at the first generate step
+  next_logprob: jax.Array
+  version: jax.Array  # policy version of the weights that sampled next_token
+  key: jax.Array  # [2] uint32 request key
+  temperature: jax.Array
+  top_p: jax.Array
+  top_k: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeState:
+  cache: KVCache  # [slots, max_seq_len, ...]
+  lengths: jax.Array  # [S] tokens in each slot's cache = position of the token fed next
+  next_tokens: jax.Array  # [S] sampled but not yet in the cache
+  keys: jax.Array  # [S, 2]
+  temperature: jax.Array  # [S]
+  top_p: jax.Array  # [S]
+  top_k: jax.Array  # [S]
+  # [S] bool: slot holds a request being decoded. Inactive slots (empty, or parked by the
+  # driver's prefix cache) still ride through every step, but write their throwaway key/value at
+  # the last cache position, which no reusable prefix ever covers, and keep their length.
+  active: jax.Array
+
+
+def _prefill(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true_length, key,
+             temperature, top_p, top_k) -> Prefix:  # fmt: skip
+  model: Transformer = nnx.merge(graphdef, params.state)
+  cache = KVCache.init(model.cfg, batch=1, max_len=tokens.shape[1])
+  hidden, cache = model.extend(
+    tokens, jnp.zeros((1,), jnp.int32), cache, return_hidden=True, fresh=True
+  )
+  # The output head only at the last prompt position: [1, V] instead of [bucket, V] logits.
+  h_last = jax.lax.dynamic_slice_in_dim(hidden, true_length - 1, 1, axis=1)
+  last = model.logits(h_last)[0, 0]
+  tok, lp = sample(
+    last[None], key[None], (true_length - 1)[None], temperature[None], top_p[None], top_k[None],
+    mode,
+  )  # fmt: skip
+  return Prefix(cache=cache, true_length=true_length, next_token=tok[0], next_logprob=lp[0],
+                version=params.version, key=key, temperature=temperature, top_p=top_p,
+                top_k=top_k)  # fmt: skip
+
+
+def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+  def put(buf, new):
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))
+
+  cache = KVCache(
+    k=tuple(put(b, n) for b, n in zip(state.cache.k, prefix.cache.k, strict=True)),
+    v=tuple(put(b, n) for b, n in zip(state.cache.v, prefix.cache.v, strict=True)),
+  )
+  return DecodeState(
+    cache=cache,
+    lengths=state.lengths.at[slot].set(prefix.true_length),
+    next_tokens=state.next_tokens.at[slot].set(prefix.next_token),
+    keys=state.keys.at[slot].set(prefix.key),
+    temperature=state.temperature.at[slot].set(prefix.temperature),
+    top_p=state.top_p.at[slot].set(prefix.top_p),
+    top_k=state.top_k.at[slot].set(prefix.top_k),
+    active=state.active.at[slot].set(True),
+  )
+
+
+def _prefill_many(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true_length,
+                  key, temperature, top_p, top_k) -> Prefix:  # fmt: skip
+  """k requests of one bucket in one call: tokens [k, 1, bucket], the rest [k]; every leaf of the
+  returned Prefix gains a leading k axis."""
+  one = functools.partial(_prefill, graphdef, mode, params)
+  return jax.vmap(one)(tokens, true_length, key, temperature, top_p, top_k)
+
+
+def _insert_many(prefixes: Prefix, state: DecodeState, slots) -> DecodeState:
+  for i in range(slots.shape[0]):  # k is static: one compiled insert chain per (bucket, k)
+    state = _insert(jax.tree.map(lambda x, i=i: x[i], prefixes), state, slots[i])
+  return state
+
+
+def _generate(
+  graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams, state: DecodeState
+):
+  model: Transformer = nnx.merge(graphdef, params.state)
+  # Live slots stay inside the window (the caller's max_length says so). Inactive slots write at
+  # the cache's last position (never part of a parked prefix: prompt + tokens < max_seq_len);
+  # their queries attend the whole window and their samples are discarded.
+  last = state.cache.max_len - 1
+  start = jnp.where(state.active, jnp.minimum(state.lengths, attend_len - 1), last)
+  logits, cache = model.extend(state.next_tokens[:, None], start, state.cache, attend_len)
+  tokens, logprobs = sample(
+    logits[:, 0], state.keys, start, state.temperature, state.top_p, state.top_k, mode
+  )
+  lengths = state.lengths + state.active.astype(jnp.int32)
+  new_state = state.replace(cache=cache, lengths=lengths, next_tokens=tokens)
+  n = tokens.shape[0]
+  data = jnp.stack(
+    [
+      tokens,
+      jnp.ones((n,), jnp.int32),
+      new_state.lengths,
+      jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32),
+      jnp.broadcast_to(params.version, (n,)).astype(jnp.int32),
+    ],
+    axis=1,
+  )
+  result = engine_api.ResultTokens(
+    data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+  )
+  return new_state, result
+
+
+def _generate_rows(
+  graphdef,
+  attend_len: int,
+  mode: SamplingMode,
+  params: VersionedParams,
+  state: DecodeState,
+  rows,
+  live,
+):
+  """One decode step over the slots `rows` [R] only (distinct; live [R] bool marks the ones that
+  decode, the rest pad the step to R and are treated as inactive). Every other slot is untouched.
+  Returns the same [S]-row result as _generate: rows not computed carry no valid token."""
+  model: Transformer = nnx.merge(graphdef, params.state)
+  last = state.cache.max_len - 1
+  active = state.active[rows] & live
+  start = jnp.where(active, jnp.minimum(state.lengths[rows], attend_len - 1), last)
+  logits, cache = model.extend(
+    state.next_tokens[rows][:, None], start, state.cache, attend_len, rows=rows
+  )
+  tokens, logprobs = sample(
+    logits[:, 0], state.keys[rows], start, state.temperature[rows], state.top_p[rows],
+    state.top_k[rows], mode,
+  )  # fmt: skip
+  lengths = state.lengths.at[rows].add(active.astype(jnp.int32))
+  next_tokens = state.next_tokens.at[rows].set(jnp.where(active, tokens, state.next_tokens[rows]))
+  new_state = state.replace(cache=cache, lengths=lengths, next_tokens=next_tokens)
+  n = state.lengths.shape[0]
+  lp_bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
+  version = jnp.broadcast_to(params.version, rows.shape).astype(jnp.int32)
+  computed = jnp.stack([tokens, active.astype(jnp.int32), lengths[rows], lp_bits, version], axis=1)
+  data = jnp.zeros((n, 5), jnp.int32).at[rows].set(computed)
+  result = engine_api.ResultTokens(
+    data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+  )
+  return new_state, result
+
+
+def _extend_row(graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams,
+                cache: KVCache, slot, tokens, start, true_length, key, temperature, top_p,
+                top_k):  # fmt: skip
+  """The compute half of a suffix prefill: reads the slot's cache row (a copy of one row; the
+  decode state is not donated here), prefills the suffix tokens [1, bucket] (true_length of them)
+  at offset start and samples the first new token from the last suffix position. Returns (the
+  row's new cache, token, logprob, version)."""
+  model: Transformer = nnx.merge(graphdef, params.state)
+
+  def row(buf):
+    return jax.lax.dynamic_slice_in_dim(buf, slot, 1, axis=0)
+
+  row_cache = KVCache(k=tuple(map(row, cache.k)), v=tuple(map(row, cache.v)))
+  hidden, row_cache = model.extend(tokens, start[None], row_cache, attend_len, return_hidden=True)
+  h_last = jax.lax.dynamic_slice_in_dim(hidden, true_length - 1, 1, axis=1)
+  last = model.logits(h_last)[0, 0]
+  pos = start + true_length - 1
+  tok, lp = sample(
+    last[None], key[None], pos[None], temperature[None], top_p[None], top_k[None], mode
+  )  # fmt: skip
+  return row_cache, tok[0], lp[0], params.version
+
+
+def _put_row(state: DecodeState, row_cache: KVCache, slot, length, token, key, temperature,
+             top_p, top_k) -> DecodeState:  # fmt: skip
+  """The write half of a suffix prefill: the row goes back into the donated decode state in
+  place, and the slot is activated. Kept apart from `_extend_row` because XLA:CPU copies the
+  whole cache (every slot, ~200 MB in the quickstart) when one jitted call both reads a row of a
+  donated buffer and writes it back: 88 ms per admission, against 13-18 ms for both halves
+  split like this (20- to 120-token suffixes on the quickstart model)."""
+
+  def put(buf, new):
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))
+
+  return DecodeState(
+    cache=KVCache(
+      k=tuple(put(b, n) for b, n in zip(state.cache.k, row_cache.k, strict=True)),
+      v=tuple(put(b, n) for b, n in zip(state.cache.v, row_cache.v, strict=True)),
+    ),
+    lengths=state.lengths.at[slot].set(length),
+    next_tokens=state.next_tokens.at[slot].set(token),
+    keys=state.keys.at[slot].set(key),
+    temperature=state.temperature.at[slot].set(temperature),
+    top_p=state.top_p.at[slot].set(top_p),
+    top_k=state.top_k.at[slot].set(top_k),
+    active=state.active.at[slot].set(True),
+  )
+
+
+def _release(state: DecodeState, slot) -> DecodeState:
+  return state.replace(active=state.active.at[slot].set(False))
+
+
+def result_logprobs(result: engine_api.ResultTokens) -> np.ndarray:
+  """Per-slot logprobs [S] from a host copy of a ResultTokens."""
+  return np.asarray(result.data[:, LOGPROB]).astype(np.int32).view(np.float32)
+
+
+def result_versions(result: engine_api.ResultTokens) -> np.ndarray:
+  return np.asarray(result.data[:, VERSION])
+
+
+# Compiled once per process and shared by every Engine over the same model structure (graphdef,
+# window and mode are static; shapes key the rest), so building a second engine or restarting a
+# driver pays no compile.
+PREFILL = jax.jit(_prefill, static_argnums=(0, 1))
+PREFILL_MANY = jax.jit(_prefill_many, static_argnums=(0, 1))
+INSERT = jax.jit(_insert, donate_argnums=1)
+INSERT_MANY = jax.jit(_insert_many, donate_argnums=1)
+GENERATE = jax.jit(_generate, static_argnums=(0, 1, 2), donate_argnums=4)
+GENERATE_ROWS = jax.jit(_generate_rows, static_argnums=(0, 1, 2), donate_argnums=4)
+EXTEND_ROW = jax.jit(_extend_row, static_argnums=(0, 1, 2))
+PUT_ROW = jax.jit(_put_row, donate_argnums=0)
+RELEASE = jax.jit(_release, donate_argnums=0)
