@@ -137,6 +137,10 @@ class Checkpointer:
   def wait(self) -> None:
     self._manager.wait_until_finished()
 
+  def saving(self) -> bool:
+    """Whether a background save is still being written."""
+    return self._manager.is_saving_in_progress()
+
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()

@@ -7,9 +7,10 @@ One step, in named phases:
   train        `learner.train_step(groups)`: prox logprobs, advantages, PPO update(s); version+1;
   sync         push the new weights to the engine(s), then `staleness.set_version`;
   checkpoint   params + optimizer, version, data cursor, staleness counters, the journals of
-               the episodes in flight and the ids of the groups trained since the last
-               checkpoint, then `replay.commit` of those ids (so a
-               crash either retrains them with the old weights or never sees them again);
+               the episodes in flight and the ids of the groups trained but not committed;
+               Orbax writes it in the background while the next steps run, and the ids are
+               committed to the replay queue once that save has finished (so a crash either
+               retrains them with the old weights or never sees them again);
   log          reward, accuracy, turns, tokens, tool calls, staleness (from token versions),
                idle fraction, engine occupancy, tokens/s, losses, clip/importance stats.
 
@@ -54,6 +55,9 @@ class TrainerConfig:
   checkpoint_every: checkpoint every this many steps (and always at the last one); 0 = never
     (then groups are committed right after their step: a crash loses nothing but retrains
     nothing either, as there is no checkpoint to return to).
+  blocking_checkpoints: wait for each checkpoint to be written before the next step (the old
+    behaviour, for side-by-side measurements); False: the next step runs while Orbax writes and
+    only the replay commit waits for the save.
   """
 
   train_steps: int
@@ -61,6 +65,7 @@ class TrainerConfig:
   batch_timeout_s: float = 3600.0
   poll_s: float = 1.0
   checkpoint_every: int = 1
+  blocking_checkpoints: bool = False
 
   def __post_init__(self):
     if self.train_steps < 0 or self.batch_groups < 1:
@@ -102,6 +107,7 @@ class Trainer:
     self.writer = writer or MetricWriter(None)
     self.engine_stats = engine_stats
     self._uncommitted: list[str] = []  # trained since the last checkpoint
+    self._saving: list[str] = []  # trained and in the checkpoint Orbax is still writing
     self.trained_ids: list[list[str]] = []  # per step of this process (tests, summaries)
     self.history: list[dict[str, float]] = []
     self._idle_s = 0.0
@@ -170,6 +176,7 @@ class Trainer:
         if self.checkpointer is not None and self.config.checkpoint_every:
           self._final_checkpoint()
         break
+    self._commit_saved(wait=True)
     self.writer.flush()
     return last
 
@@ -185,6 +192,7 @@ class Trainer:
 
   def step(self) -> dict[str, float]:
     t0 = time.perf_counter()
+    self._commit_saved(wait=False)
     groups, wait_s = self._wait_batch()
     t1 = time.perf_counter()
     version_before = self.learner.version
@@ -245,10 +253,13 @@ class Trainer:
   def _checkpoint(self) -> dict[str, float]:
     every, version = self.config.checkpoint_every, self.learner.version
     if self.checkpointer is None or every == 0:
-      self._commit()
+      self._commit_now()
       return {}
     if version % every and version < self.config.train_steps:
       return {}
+    # Orbax finishes the previous save before it starts this one; its groups commit first.
+    t0 = time.perf_counter()
+    self._commit_saved(wait=True)
     meta = {
       "version": version,
       "uncommitted": list(self._uncommitted),
@@ -256,9 +267,10 @@ class Trainer:
       "rollout": self._rollout_state(),
     }
     self.checkpointer.save(version, {"train_state": self.learner.state, "meta": meta}, force=True)
-    self.checkpointer.wait()  # the commit below must not outrun the checkpoint
-    self._commit()
-    return {"checkpoint/version": float(version)}
+    self._saving, self._uncommitted = self._uncommitted, []
+    if self.config.blocking_checkpoints:
+      self._commit_saved(wait=True)
+    return {"checkpoint/version": float(version), "timing/checkpoint_s": time.perf_counter() - t0}
 
   def _rollout_state(self) -> dict[str, Any] | None:
     """Cursor + in-flight journals, minus groups this process already trained (a pushed group
@@ -267,10 +279,23 @@ class Trainer:
       return None
     return self.rollout.state_dict(exclude_groups=[i for ids in self.trained_ids for i in ids])
 
-  def _commit(self) -> None:
+  def _commit_now(self) -> None:
+    """No checkpoints: groups commit right after their step."""
     if self._uncommitted:
       self.replay.commit(self._uncommitted)
       self._uncommitted = []
+
+  def _commit_saved(self, *, wait: bool) -> None:
+    """Commits the groups of the checkpoint being written once it is on disk (waiting for it
+    with `wait`, else only if it already is): the replay commit never outruns the checkpoint."""
+    if not self._saving:
+      return
+    if wait:
+      self.checkpointer.wait()
+    elif self.checkpointer.saving():
+      return
+    self.replay.commit(self._saving)
+    self._saving = []
 
   # --- metrics ---------------------------------------------------------------------------------
 

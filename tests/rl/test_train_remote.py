@@ -28,6 +28,7 @@ import pytest
 from asearcher_jax.apps import serve_model as serving_commands
 from asearcher_jax.apps.train_config import RemoteEnginesConfig
 from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.client import read_address
 from asearcher_jax.serving.engine import EngineConfig
 from tests.rl.test_trainer_e2e import (
@@ -55,7 +56,7 @@ def start_server(tmp_path: Path, tok_dir: Path, weights_dir: Path, *, seed: int)
   proc = multiprocessing.get_context("spawn").Process(
     target=serving_commands.serve, name="engine-server", daemon=True,
     kwargs=dict(
-      model=TINY, tokenizer_dir=str(tok_dir), seed=seed, engine=ENGINE,
+      policy=PolicyConfig(model=TINY, tokenizer_dir=str(tok_dir), seed=seed), engine=ENGINE,
       address_file=str(addr), weights_dir=str(weights_dir), weights_poll_s=0.05,
     ),
   )  # fmt: skip

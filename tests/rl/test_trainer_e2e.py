@@ -270,11 +270,13 @@ def test_sigkill_mid_run_then_resume(tmp_path, byte_tok_dir, shipped_index_dir):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   try:
-    metrics = run_dir / "metrics" / "metrics.jsonl"
+    # Checkpoints are written in the background: kill once the first one is on disk (Orbax
+    # renames its directory to the step number when it is complete).
+    first = run_dir / "checkpoints" / "1"
     deadline = time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1):
+    while not first.is_dir():
       assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-      assert time.monotonic() < deadline, "no first step within 180 s"
+      assert time.monotonic() < deadline, "no first checkpoint within 180 s"
       time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # mid-run: the next step, pushes and commits in flight
   finally:
@@ -328,13 +330,16 @@ def stub_group(i: int) -> Group:
   return Group(group_id=f"g{i}", trajectories=[[seq]], rewards=[1.0], created_version=0)
 
 
-def stub_trainer(run_dir: Path, steps: int):
+def stub_trainer(run_dir: Path, steps: int, *, blocking: bool = False):
   staleness = StalenessManager(StalenessConfig(batch_groups=1, max_staleness=4))
   replay = ReplayQueue(ReplayConfig(directory=str(run_dir / "replay")))
   ckpt = Checkpointer(CheckpointConfig(directory=str(run_dir / "ckpt"), async_save=False))
   learner = StubLearner()
   trainer = Trainer(
-    config=TrainerConfig(train_steps=steps, batch_groups=1, poll_s=0.1, batch_timeout_s=5),
+    config=TrainerConfig(
+      train_steps=steps, batch_groups=1, poll_s=0.1, batch_timeout_s=5,
+      blocking_checkpoints=blocking,
+    ),
     learner=learner, replay=replay, staleness=staleness, weight_sync=StubSync(staleness),
     checkpointer=ckpt,
   )  # fmt: skip
@@ -346,9 +351,8 @@ def test_crash_between_checkpoint_and_commit_trains_nothing_twice(tmp_path):
   for i in range(4):
     replay.push(stub_group(i), timeout=1)
   trainer.restore()
-  trainer.step()  # g0: trained, checkpointed, committed
-  trainer._commit = lambda: None  # the process dies right after the next checkpoint
-  trainer.step()  # g1: trained and checkpointed, never committed
+  trainer.step()  # g0: trained and checkpointed (committed when the next step starts)
+  trainer.step()  # g1: trained and checkpointed; the process dies before it is committed
   assert learner.seen == ["g0", "g1"]
   ckpt.close()
   replay.close()  # SIGKILL: the lease on g1 is gone, g1 is pending again on disk
@@ -367,3 +371,37 @@ def test_crash_between_checkpoint_and_commit_trains_nothing_twice(tmp_path):
   assert learner.seen == ["g2", "g3"]
   _, committed, _ = replay_logs(tmp_path / "replay")
   assert committed == ["g0", "g1", "g2", "g3"]
+
+
+def test_groups_commit_only_once_their_checkpoint_is_written(tmp_path):
+  trainer, learner, replay, _, ckpt = stub_trainer(tmp_path, steps=3)
+  writing = [True]  # checkpoint 1 is still being written in the background
+  ckpt.saving = lambda: writing[0]
+  try:
+    for i in range(4):
+      replay.push(stub_group(i), timeout=1)
+    trainer.restore()
+    trainer.step()  # g0 trained and checkpointed, its save not finished
+    assert replay_logs(tmp_path / "replay")[1] == []
+    writing[0] = False
+    trainer.step()  # starts by committing g0 (its checkpoint is on disk), then trains g1
+    assert replay_logs(tmp_path / "replay")[1] == ["g0"]
+    trainer.run()  # the end of the run waits for the last save and commits its groups
+    assert replay_logs(tmp_path / "replay")[1] == ["g0", "g1", "g2"]
+    assert learner.seen == ["g0", "g1", "g2"]
+  finally:
+    ckpt.close()
+    replay.close()
+
+
+def test_blocking_checkpoints_commit_within_the_step(tmp_path):
+  trainer, _, replay, _, ckpt = stub_trainer(tmp_path, steps=1, blocking=True)
+  ckpt.saving = lambda: True  # would defer the commit if the step did not wait for the save
+  try:
+    replay.push(stub_group(0), timeout=1)
+    trainer.restore()
+    trainer.step()
+    assert replay_logs(tmp_path / "replay")[1] == ["g0"]
+  finally:
+    ckpt.close()
+    replay.close()
