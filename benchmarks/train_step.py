@@ -10,7 +10,9 @@ it also reports MFU against that peak.
 `--dtype bfloat16` is mixed precision: float32 parameters and Adam moments, bfloat16 activations
 and matmul inputs. On an accelerator the default configs add the real Qwen2.5-0.5B architecture
 (random init, remat, one 2,048-token row per device); on CPU that config is opt-in
-(`--configs qwen2.5-0.5b`: ~8 GB of host memory). The last line is one JSON object.
+(`--configs qwen2.5-0.5b`: ~8 GB of host memory). It also measures the cost of a checkpoint
+after every step (params + Adam state through Orbax), async as the trainer writes them and
+blocking, side by side. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -127,11 +129,67 @@ def bench_config(
   return out
 
 
+def bench_checkpoint_overhead(name: str, rows: int, seq_len: int, n_steps: int = 6) -> dict:
+  """Step time with a checkpoint after every step, async (the trainer's default: the next step
+  runs while Orbax writes) and blocking (the old behaviour), against no checkpoint; one run,
+  interleaved. The ratios are (time with checkpoints) / (time without) - 1."""
+  import tempfile
+
+  from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
+
+  cfg = presets.model_config(name=name)
+  graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+  opt = steps.make_optimizer(steps.OptimizerConfig(learning_rate=1e-4))
+  rng = np.random.default_rng(0)
+  batch = {
+    "tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, seq_len)), jnp.int32),
+    "positions": jnp.asarray(np.tile(np.arange(seq_len), (rows, 1)), jnp.int32),
+    "segment_ids": jnp.ones((rows, seq_len), jnp.int32),
+    "loss_mask": jnp.ones((rows, seq_len), jnp.float32),
+  }
+  state = steps.init_train_state(params, opt)
+  step = steps.compile_train_step(graphdef, opt, steps.nll_loss, state)
+  state, m = step(state, batch)  # compile
+  m["loss"].block_until_ready()
+
+  def run(mode: str, state):
+    with tempfile.TemporaryDirectory() as d:
+      ckpt = Checkpointer(CheckpointConfig(directory=d, max_to_keep=2, async_save=True))
+      t0 = time.perf_counter()
+      for i in range(n_steps):
+        state, m = step(state, batch)
+        m["loss"].block_until_ready()
+        if mode != "none":
+          ckpt.save(i + 1, {"train_state": state}, force=True)
+          if mode == "blocking":
+            ckpt.wait()
+      ckpt.close()  # the last async save is part of the cost
+      return state, (time.perf_counter() - t0) / n_steps
+
+  secs = {"none": [], "async": [], "blocking": []}
+  for _ in range(2):  # interleaved repetitions; the best of each
+    for mode in secs:
+      state, s = run(mode, state)
+      secs[mode].append(s)
+  best = {k: min(v) for k, v in secs.items()}
+  return {
+    "config": name,
+    "step_s": round(best["none"], 4),
+    "checkpoint_mb": round(sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6, 1),
+    "async_overhead": round(best["async"] / best["none"] - 1, 3),
+    "blocking_overhead": round(best["blocking"] / best["none"] - 1, 3),
+  }
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   parser.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), default=None)
+  parser.add_argument(
+    "--checkpoint-config", default=None,
+    help="config of the checkpoint-every-step run (default: qwen2-tiny on CPU, bench-30m else)",
+  )  # fmt: skip
   args = parser.parse_args()
   device = jax.devices()[0]
   on_cpu = device.platform == "cpu"
@@ -162,6 +220,11 @@ def main() -> None:
       r["mfu"] = round(r["tflops"] / (chip * jax.device_count()), 4)
     results[name] = r
     print(f"{name:>12}: {r}", flush=True)
+  ck_name = args.checkpoint_config or ("qwen2-tiny" if on_cpu else "bench-30m")
+  spec = CONFIGS[ck_name]
+  ck = bench_checkpoint_overhead(ck_name, spec["rows"], spec["seq_len"])
+  print(f"checkpoint every step: {ck}", flush=True)
+  results["checkpoint_every_step"] = ck
   print(json.dumps(results))
 
 
