@@ -118,7 +118,7 @@ from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.rl.learner import Learner, PPOConfig
 from asearcher_jax.rl.replay import Group, ReplayConfig, ReplayQueue
-from asearcher_jax.rl.rollout import QAItem, RolloutConfig, RolloutController
+from asearcher_jax.rl.rollout import AgentSource, QAItem, RolloutConfig, RolloutController
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, InProcessWeightSync
@@ -397,10 +397,10 @@ def run_mode(
   )  # fmt: skip
   episodes: list[int] = []
 
-  def agent_factory() -> BenchAgent:
+  def episode_client() -> SteeringClient:
     k = rng.draw_int(w.k_tools)
     episodes.append(k)
-    client = SteeringClient(
+    return SteeringClient(
       gen_client,
       shared.tokenizer,
       k=k,
@@ -408,8 +408,10 @@ def run_mode(
       output_len=w.output_len,
       tag=f"e{len(episodes)}",
     )
+
+  def make_agent(client, tools) -> BenchAgent:
     return BenchAgent(
-      client=client, tokenizer=shared.tokenizer, toolbox=toolbox, config=agent_cfg,
+      client=client, tokenizer=shared.tokenizer, toolbox=tools, config=agent_cfg,
       sampling=SamplingParams(temperature=1.0), limits=Limits(llm_timeout_s=600, tool_timeout_s=60),
     )  # fmt: skip
 
@@ -420,7 +422,12 @@ def run_mode(
   ]  # fmt: skip
   rollout = RolloutController(
     config=RolloutConfig(group_size=w.group_size, seed=w.seed, occupancy_sample_s=0),
-    items=items, agent_factory=agent_factory, staleness=staleness, replay=replay,
+    items=items,
+    agents=AgentSource(
+      factory=make_agent, client=episode_client, toolbox=toolbox,
+      stop_token_ids=shared.tokenizer.stop_token_ids,
+    ),
+    staleness=staleness, replay=replay,
     scorer=smoke_scorer, engine_stats=engine_stats,
   )  # fmt: skip
   if server is not None:

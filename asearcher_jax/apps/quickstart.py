@@ -148,7 +148,7 @@ def evaluate(
 def rl_pool(
   files: WorldFiles, which: str, eval_questions: int | None, kinds: tuple[str, ...] | None = None
 ) -> list[QAItem]:
-  """The RL question pool (see `quickstart`'s rl_questions): "train", or "heldout" = the test
+  """The RL question pool (see `QuickstartRL.questions`): "train", or "heldout" = the test
   split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
   training questions and the evaluation; only questions of `kinds` (QAItem.bucket) if given."""
   if which == "train":
@@ -157,11 +157,11 @@ def rl_pool(
     items = rl_commands.load_qa(files.test)[eval_questions:] if eval_questions is not None else []
     if not items:
       raise AsearcherError(
-        "rl_questions='heldout' needs test questions beyond the evaluated ones: set "
-        "eval_questions below the test split's size, or rl_questions='train'"
+        "QuickstartRL.questions='heldout' needs test questions beyond the evaluated ones: set "
+        "QuickstartEval.questions below the test split's size, or QuickstartRL.questions='train'"
       )
   else:
-    raise AsearcherError(f"rl_questions must be 'heldout' or 'train', got {which!r}")
+    raise AsearcherError(f"QuickstartRL.questions must be 'heldout' or 'train', got {which!r}")
   if kinds is not None:
     found = sorted({it.bucket for it in items})
     items = [it for it in items if it.bucket in kinds]
@@ -170,32 +170,67 @@ def rl_pool(
   return items
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuickstartEval:
+  """The held-out evaluation before and after RL."""
+
+  # Held-out test questions evaluated (the first N of the test split).
+  questions: int | None = 64
+  # Samples per question (Avg@k, Pass@k).
+  k: int = 4
+  # Questions evaluated at once.
+  concurrency: int = 32
+  # Evaluation seed (runs use seed + r); also the RL rollout's seed.
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuickstartRL:
+  """The asynchronous RL stage (figures behind the defaults: docs/measurements.md)."""
+
+  # Wall-clock budget (steps end at the first one past it).
+  seconds: float = 420.0
+  # Upper bound on RL steps.
+  max_steps: int = 1000
+  # B, groups per step.
+  batch_groups: int = 2
+  # n, episodes per group.
+  group_size: int = 8
+  # eta, the staleness bound.
+  max_staleness: int = 4
+  # Groups in flight at once.
+  max_concurrent: int = 12
+  # AdamW learning rate of the learner.
+  learning_rate: float = 1e-4
+  # Optimizer steps per pass over an RL batch (split into minibatches).
+  ppo_minibatches: int = 1
+  # Passes over each RL batch (all clipped around the pre-step policy).
+  ppo_epochs: int = 1
+  # Draw questions through the learnability curriculum (`rl.cursors`): kinds whose recent groups
+  # were all-equal are sampled less.
+  curriculum: bool = False
+  # Where RL draws its questions: "heldout" (the test split minus the evaluated questions: seen
+  # by neither the warm start nor the evaluation) or "train" (the warm start's SFT questions,
+  # where reward partly comes from recalling memorised answers).
+  questions: str = "heldout"
+  # Only questions of these kinds ("chain-1" .. "chain-4", "comparison-2"); None = all.
+  kinds: tuple[str, ...] | None = None
+  # In-flight keys/values on a weight update (`DriverConfig.kv_on_update`): "recompute" | "keep".
+  kv_on_update: str = "recompute"
+  # Fail the stage if no batch of accepted groups arrives within this long.
+  batch_timeout_s: float = 900.0
+
+
 def quickstart(
   *,
   run_dir: str = "runs/quickstart",
   warm_start_dir: str | None = None,
   world: SynthWikiConfig = QUICKSTART_WORLD,
-  eval_questions: int | None = 64,
-  k: int = 4,
   temperature: float = 1.0,
-  rl_seconds: float = 420.0,
-  rl_max_steps: int = 1000,
-  batch_groups: int = 2,
-  group_size: int = 8,
-  max_staleness: int = 4,
-  max_concurrent: int = 12,
-  learning_rate: float = 1e-4,
-  ppo_minibatches: int = 1,
-  ppo_epochs: int = 1,
-  curriculum: bool = False,
-  rl_questions: str = "heldout",
-  rl_kinds: tuple[str, ...] | None = None,
-  kv_on_update: str = "recompute",
+  evaluation: QuickstartEval = QuickstartEval(),
+  rl: QuickstartRL = QuickstartRL(),
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
-  eval_concurrency: int = 32,
-  batch_timeout_s: float = 900.0,
-  seed: int = 0,
 ) -> int:
   """Runs the quickstart; prints the before/after table and a JSON summary as the last line.
 
@@ -204,59 +239,40 @@ def quickstart(
     warm_start_dir: an SFT model directory (config.json, safetensors, tokenizer); default: the
       shipped SynthWiki warm start.
     world: the SynthWiki world; must be the warm start's (checked through its tokenizer).
-    eval_questions: held-out test questions evaluated (the first N of the test split).
-    k: samples per question (Avg@k, Pass@k).
     temperature: sampling temperature of evaluation and RL alike.
-    rl_seconds: wall-clock budget of the RL stage (steps end at the first one past it).
-    rl_max_steps: upper bound on RL steps.
-    batch_groups / group_size / max_staleness / max_concurrent: B, n, eta, groups in flight.
-    learning_rate: AdamW learning rate of the RL learner.
-    ppo_minibatches: optimizer steps per pass over an RL batch (split into minibatches).
-    ppo_epochs: passes over each RL batch (all clipped around the pre-step policy).
-    curriculum: draw RL questions through the learnability curriculum (`rl.cursors`): kinds of
-      questions whose recent groups were all-equal are sampled less.
-    rl_questions: where RL draws its questions. "heldout": the test split minus the evaluated
-      questions, i.e. questions neither the warm start nor the evaluation has seen; "train": the
-      warm start's own SFT questions. Measured on the first (700-step) warm start (T = 1, 4
-      samples, 64 questions): seen 1-hop questions score 19.5 % Avg@4, unseen ones 7.4 %, so on
-      "train" much of the RL reward comes from recalling memorised answers, not from searching.
-    rl_kinds: only RL questions of these kinds (SynthWiki: "chain-1" .. "chain-4",
-      "comparison-2"); None = all.
-    kv_on_update: what the engine does with in-flight keys/values when RL publishes new weights
-      (`DriverConfig.kv_on_update`): "recompute" re-prefills them, "keep" continues over them.
+    evaluation: the held-out evaluation (questions, k, concurrency, seed).
+    rl: the RL stage (time budget, B, n, eta, learner, question pool).
     agent / engine: the agent's budgets and the in-process engine's slots and context.
-    eval_concurrency: questions evaluated at once.
-    batch_timeout_s: fail the RL stage if no batch of accepted groups arrives within this long.
-    seed: evaluation seed (runs use seed + r).
   """
+  ev = evaluation
   t0 = time.time()
   root = Path(run_dir)
   warm = Path(warm_start_dir) if warm_start_dir else DEFAULT_WARM_START
   if not (warm / "config.json").exists():
     raise AsearcherError(f"no warm start at {warm} (config.json missing)")
   tracker = StageTracker([
-    ("world", 3), ("load", 20), ("eval_sft", 90), ("rl", rl_seconds + 30), ("eval_rl", 90),
+    ("world", 3), ("load", 20), ("eval_sft", 90), ("rl", rl.seconds + 30), ("eval_rl", 90),
     ("report", 3),
   ])  # fmt: skip
   with tracker.stage("world"):
     _, files = prepare_world(root / "world", world)
     check_tokenizer(files, warm)
-    rl_items = rl_pool(files, rl_questions, eval_questions, rl_kinds)
+    rl_items = rl_pool(files, rl.questions, ev.questions, rl.kinds)
   addr_dir = root / "rl" / "retrieval_addrs"
   with RetrievalThread(files.index, addr_dir=addr_dir) as server:
     with tracker.stage("load"):
       config = TrainConfig(
-        train_steps=rl_max_steps, batch_timeout_s=batch_timeout_s, reward="answer",
-        temperature=temperature, seed=seed,
+        train_steps=rl.max_steps, batch_timeout_s=rl.batch_timeout_s, reward="answer",
+        temperature=temperature, seed=ev.seed,
         staleness=StalenessConfig(
-          batch_groups=batch_groups, max_staleness=max_staleness, max_concurrent=max_concurrent
+          batch_groups=rl.batch_groups, max_staleness=rl.max_staleness, max_concurrent=rl.max_concurrent
         ),
         engine=engine,
-        driver=DriverConfig(request_timeout_s=600.0, kv_on_update=kv_on_update),
+        driver=DriverConfig(request_timeout_s=600.0, kv_on_update=rl.kv_on_update),
         agent=AgentChoice(name="asearcher", configs={"asearcher": agent}),
         tools=wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=(server.address,))),
         rollout=RolloutConfig(
-          group_size=group_size, episode_timeout_s=600.0, seed=seed, curriculum=curriculum
+          group_size=rl.group_size, episode_timeout_s=600.0, seed=ev.seed, curriculum=rl.curriculum
         ),
         learner=LearnerConfig(
           # micro_rows=4: a minibatch of 8 rows of 2,048 tokens needed ~5 GB of XLA:CPU
@@ -266,9 +282,9 @@ def quickstart(
           ppo=PPOConfig(
             row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
             row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
-            ppo_n_minibatches=ppo_minibatches, ppo_epochs=ppo_epochs, micro_rows=4,
+            ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=4,
           ),
-          optimizer=steps.OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
+          optimizer=steps.OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=0.0),
         ),
       )  # fmt: skip
       run = rl_commands.build_run(
@@ -283,8 +299,8 @@ def quickstart(
     try:
       common = dict(
         client=run.driver, tokenizer=run.tokenizer, questions=files.test,
-        retrieval_address=server.address, k=k, limit=eval_questions, temperature=temperature,
-        agent=agent, concurrency=eval_concurrency, seed=seed,
+        retrieval_address=server.address, k=ev.k, limit=ev.questions, temperature=temperature,
+        agent=agent, concurrency=ev.concurrency, seed=ev.seed,
       )  # fmt: skip
       with tracker.stage("eval_sft"):
         before = evaluate(**common, out_dir=root / "eval", policy=f"sft:{_sha256_dir(warm)}")
@@ -295,10 +311,10 @@ def quickstart(
         t_rl = time.perf_counter()
 
         def progress(m: dict[str, float]) -> None:
-          frac = (time.perf_counter() - t_rl) / max(rl_seconds, 1e-9)
+          frac = (time.perf_counter() - t_rl) / max(rl.seconds, 1e-9)
           st.update(frac, f"step {run.learner.version}, reward {m.get('rollout/reward', 0):.2f}")
 
-        run.trainer.run(max_seconds=rl_seconds, on_step=progress)
+        run.trainer.run(max_seconds=rl.seconds, on_step=progress)
         run.rollout.stop()
       with tracker.stage("eval_rl"):
         after = evaluate(
@@ -320,8 +336,8 @@ def quickstart(
       "eval_turns_sft": before["turns"], "eval_turns_rl": after["turns"],
       "tool_calls_first_steps": report.window_mean(tool_calls, first=True),
       "tool_calls_last_steps": report.window_mean(tool_calls, first=False),
-      "rl_steps": version, "rl_resumed_from": resumed, "eta": max_staleness,
-      "k": k, "num_test_questions": before["n"], "world_seed": world.seed,
+      "rl_steps": version, "rl_resumed_from": resumed, "eta": rl.max_staleness,
+      "k": ev.k, "num_test_questions": before["n"], "world_seed": world.seed,
       "world_digest": files.digest, "warm_start": str(warm),
       "stages": tracker.timings(),
       "stages_peak_rss_mb": tracker.peak_rss(),

@@ -74,8 +74,9 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
 def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tmp_path):
   run_dir = tmp_path / "qs"
   assert pipeline.quickstart(
-    run_dir=str(run_dir), eval_questions=4, k=2, rl_seconds=5.0, batch_groups=2,
-    max_concurrent=4, batch_timeout_s=300.0, engine=SMALL_ENGINE,
+    run_dir=str(run_dir), evaluation=pipeline.QuickstartEval(questions=4, k=2),
+    rl=pipeline.QuickstartRL(seconds=5.0, batch_groups=2, max_concurrent=4, batch_timeout_s=300.0),
+    engine=SMALL_ENGINE,
   ) == 0  # fmt: skip
   summary = json.loads((run_dir / "report" / "summary.json").read_text())
   assert set(summary) >= SUMMARY_KEYS
