@@ -41,13 +41,8 @@ from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
 from asearcher_jax.rl.replay import ReplayQueue
-from asearcher_jax.rl.rollout import (
-  AgentSource,
-  QAItem,
-  RolloutController,
-  Scorer,
-  answer_scorer,
-)
+from asearcher_jax.rl.rollout import AgentSource, QAItem, RolloutController
+from asearcher_jax.rl.scoring import Scorer, answer_scorer
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.rl.weight_sync import InProcessWeightSync

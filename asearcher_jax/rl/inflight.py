@@ -255,3 +255,35 @@ def tool_result_from_json(d: Mapping[str, Any]) -> ToolResult:
     documents=tuple(Document.from_json(x) for x in d["documents"]),
     page=d["page"],
   )
+
+
+@dataclasses.dataclass(kw_only=True)
+class GroupJournal:
+  """A running group: its item, admission version and time, and one journal per episode."""
+
+  key: str
+  index: int
+  version: int
+  created_at: float
+  episodes: list[EpisodeJournal]
+  resumed: bool = False
+
+  def snapshot(self) -> dict[str, Any]:
+    return {
+      "key": self.key,
+      "index": self.index,
+      "version": self.version,
+      "created_at": self.created_at,
+      "episodes": [e.snapshot() for e in self.episodes],
+    }
+
+  @classmethod
+  def from_snapshot(cls, d: Mapping[str, Any]) -> GroupJournal:
+    return cls(
+      key=d["key"],
+      index=int(d["index"]),
+      version=int(d["version"]),
+      created_at=float(d["created_at"]),
+      episodes=[EpisodeJournal.from_snapshot(e) for e in d["episodes"]],
+      resumed=True,
+    )

@@ -11,15 +11,15 @@ runs short phases per group:
 
 Runtime objects (an `AgentSource`: the agent factory, the generation client and the ToolBox it
 is built from; queue, staleness manager) are built in code and passed in. Each episode's agent is
-built from journaled wrappers of that client and ToolBox (`rl.inflight`), never patched after. Blocking calls (disk appends, locks held by the learner) go
-through `asyncio.to_thread`, so a slow learner never stalls episodes, and every await has a
-timeout.
+built from journaled wrappers of that client and ToolBox (`rl.inflight`), never patched after.
+Scoring and counting live in `rl.scoring`. Blocking calls (disk appends, locks held by the
+learner) go through `asyncio.to_thread`, so a slow learner never stalls episodes, and every await
+has a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -28,22 +28,17 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
-
 from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
-from asearcher_jax.evaluation import metrics as eval_metrics
-from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
-from asearcher_jax.rl.inflight import EpisodeJournal, JournalClient, JournalToolBox
+from asearcher_jax.rl.inflight import EpisodeJournal, GroupJournal, JournalClient, JournalToolBox
 from asearcher_jax.rl.replay import Group, ReplayQueue
+from asearcher_jax.rl.scoring import RolloutStats, Scorer, answer_scorer, score_group
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.serving.types import GenerationClient
 
 log = logging.getLogger(__name__)
 
-# Per-trajectory scores for one group, None where a trajectory must be excluded.
-Scorer = Callable[[Sequence[Trajectory]], list[float | None]]
 # Builds one episode's agent from the generation client and the ToolBox (None: no tools) it must
 # use; the controller passes journaled wrappers of both.
 AgentFactory = Callable[[GenerationClient, Any], Agent]
@@ -126,70 +121,6 @@ class QAItem:
   bucket: str = ""  # kind of question (SynthWiki: "chain-2"), for the curriculum
 
 
-def answer_scorer(config: reward_lib.RewardConfig | None = None) -> Scorer:
-  """The ASearcher reward (`rl.reward.trajectory_reward`); sets `traj.score`."""
-
-  def score(trajs: Sequence[Trajectory]) -> list[float | None]:
-    out = []
-    for t in trajs:
-      t.score = reward_lib.trajectory_reward(t, config).score
-      out.append(t.score)
-    return out
-
-  return score
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GroupScores:
-  """The outcome of scoring one group.
-
-  Attributes:
-    scores: per episode, its score; None where it did not run, failed for environment reasons
-      or was excluded by the scorer.
-    advantages: per episode, its group-centred score (None where excluded); None when the group
-      carries no signal and is rejected.
-    usable: episodes that ran without an environment failure (the ones scored).
-  """
-
-  scores: list[float | None]
-  advantages: list[float | None] | None
-  usable: int
-
-  @property
-  def keep(self) -> list[int]:
-    """Indices of the episodes the group trains on (empty for a rejected group)."""
-    return [i for i, a in enumerate(self.advantages or ()) if a is not None]
-
-  @property
-  def rejection(self) -> str | None:
-    """Why the group is rejected (a `rollout/*` counter name), None when it is accepted."""
-    if self.advantages is not None:
-      return None
-    return "groups_zero_variance" if self.usable >= 2 else "groups_too_few_scored"
-
-
-def score_group(trajs: Sequence[Trajectory | None], scorer: Scorer) -> GroupScores:
-  """Scores the usable episodes of a group (ran, no environment failure: a failed episode is
-  never trained as a zero reward), then centres and filters the group
-  (`rl.reward.group_advantages`: fewer than two scores, or all equal, reject it)."""
-  scores: list[float | None] = [None] * len(trajs)
-  usable = [i for i, t in enumerate(trajs) if t is not None and not t.environment_failure]
-  if usable:
-    for i, s in zip(usable, scorer([trajs[i] for i in usable])):
-      scores[i] = s
-  return GroupScores(
-    scores=scores, advantages=reward_lib.group_advantages(scores), usable=len(usable)
-  )
-
-
-class _Stats:
-  """Counters (cumulative) and per-trajectory samples (windowed, reset by `metrics`)."""
-
-  def __init__(self) -> None:
-    self.count: collections.Counter[str] = collections.Counter()
-    self.samples: dict[str, list[float]] = collections.defaultdict(list)
-
-
 class RolloutController:
   """Runs groups of agent episodes on a background event loop and feeds the replay queue.
 
@@ -226,10 +157,11 @@ class RolloutController:
     else:
       self.cursor = DataCursor(len(self.items), shuffle=config.shuffle, seed=config.seed)
     self._skip: set[str] = set()  # item keys whose groups already sit in the replay queue
-    self._journals: dict[str, _GroupJournal] = {}  # running groups by item key (checkpointed)
-    self._resume: list[_GroupJournal] = []  # groups saved in flight, run first after a restart
-    self._lock = threading.Lock()  # guards _stats and the cursor (read by checkpoints)
-    self._stats = _Stats()
+    self._journals: dict[str, GroupJournal] = {}  # running groups by item key (checkpointed)
+    self._resume: list[GroupJournal] = []  # groups saved in flight, run first after a restart
+    self._lock = threading.Lock()  # guards the cursor and journals (read by checkpoints)
+    self._stats = RolloutStats()
+    self._count, self._sample = self._stats.count, self._stats.sample
     self._paused = threading.Event()
     self._stopping = threading.Event()
     self._loop: asyncio.AbstractEventLoop | None = None
@@ -316,7 +248,7 @@ class RolloutController:
       if state is None:
         return
       self.cursor.load_state_dict(state["cursor"])
-      saved = [_GroupJournal.from_snapshot(d) for d in state.get("inflight", ())]
+      saved = [GroupJournal.from_snapshot(d) for d in state.get("inflight", ())]
       self._resume = [j for j in saved if j.key not in self._skip]
 
   # --- metrics ---------------------------------------------------------------------------------
@@ -325,31 +257,15 @@ class RolloutController:
     """`rollout/*`: cumulative counters, and means of the per-trajectory samples since the last
     reset (reward, accuracy, turns, tokens, tool calls, occupancy, group latency and its max);
     plus the ToolBox's cumulative `tools/*` counters (calls, failures, cache hits, cost)."""
-    with self._lock:
-      out = {f"rollout/{k}": float(v) for k, v in self._stats.count.items()}
-      for k, vs in self._stats.samples.items():
-        if vs:
-          out[f"rollout/{k}"] = float(np.mean(vs))
-      if self._stats.samples.get("group_s"):
-        out["rollout/group_s_max"] = float(np.max(self._stats.samples["group_s"]))
-      if reset:
-        self._stats.samples.clear()
-      if isinstance(self.cursor, CurriculumCursor):
+    out = self._stats.snapshot(reset=reset)
+    if isinstance(self.cursor, CurriculumCursor):
+      with self._lock:
         out.update(self.cursor.metrics())
     out["rollout/running_groups"] = float(self.staleness.stats()["running"])
     tool_metrics = getattr(self.agents.toolbox, "metrics", None)
     if tool_metrics is not None:
       out.update(tool_metrics())
     return out
-
-  def _count(self, **kw: float) -> None:
-    with self._lock:
-      self._stats.count.update({k: v for k, v in kw.items() if v})
-
-  def _sample(self, **kw: float) -> None:
-    with self._lock:
-      for k, v in kw.items():
-        self._stats.samples[k].append(float(v))
 
   # --- the loop --------------------------------------------------------------------------------
 
@@ -400,7 +316,7 @@ class RolloutController:
         except Exception:  # one failed cleanup must not skip the others
           log.exception("rollout loop cleanup failed")
 
-  def _next_group(self) -> _GroupJournal:
+  def _next_group(self) -> GroupJournal:
     """A group saved in flight, else the next item; registered for checkpoints in the same
     critical section that advances the cursor, so a snapshot never misses an item."""
     with self._lock:
@@ -412,7 +328,7 @@ class RolloutController:
           if key not in self._skip:
             break
           self._skip.discard(key)
-        journal = _GroupJournal(
+        journal = GroupJournal(
           key=key,
           index=index,
           version=self.staleness.version,
@@ -435,7 +351,7 @@ class RolloutController:
 
   # --- one group -------------------------------------------------------------------------------
 
-  async def _run_group(self, journal: _GroupJournal) -> None:
+  async def _run_group(self, journal: GroupJournal) -> None:
     """Episodes -> score -> filter -> push. Always ends in exactly one on_accept / on_reject."""
     key, item = journal.key, self.items[journal.index]
     self._count(groups_started=1, groups_resumed=int(journal.resumed))
@@ -474,7 +390,7 @@ class RolloutController:
     outcome = score_group(trajs, self.scorer)
     for t, s in zip(trajs, outcome.scores):
       if t is not None:
-        self._record_trajectory(t, s)
+        self._stats.record_trajectory(t, s)
     if outcome.usable >= 2 and isinstance(self.cursor, CurriculumCursor):
       with self._lock:
         self.cursor.observe(index, mixed=outcome.advantages is not None)
@@ -525,7 +441,7 @@ class RolloutController:
       if left <= 0 or self._stopping.is_set():
         return False
 
-  async def _run_episode(self, item: QAItem, group: _GroupJournal, i: int) -> Trajectory | None:
+  async def _run_episode(self, item: QAItem, group: GroupJournal, i: int) -> Trajectory | None:
     """One episode, rerun on environment failure per policy; None if it never produced a usable
     trajectory within the timeout. The first attempt replays the episode's saved journal."""
     c = self.config
@@ -566,7 +482,7 @@ class RolloutController:
     return traj
 
   def _journaled_agent(
-    self, group: _GroupJournal, i: int, saved: EpisodeJournal | None
+    self, group: GroupJournal, i: int, saved: EpisodeJournal | None
   ) -> tuple[Agent, JournalClient, JournalToolBox | None]:
     """A fresh agent built on the episode's journaled client and ToolBox: its engine and tool
     calls are recorded into (and, when resuming, first answered from) the episode's journal."""
@@ -577,69 +493,6 @@ class RolloutController:
     client = JournalClient(src.client(), journal, saved, default_stop_ids=src.stop_token_ids)
     tools = JournalToolBox(src.toolbox, journal, saved) if src.toolbox is not None else None
     return src.factory(client, tools), client, tools
-
-  def _record_trajectory(self, t: Trajectory, score: float | None) -> None:
-    s = t.stats()
-    self._sample(
-      turns=s["num_llm_calls"],
-      output_tokens=s["num_output_tokens"],
-      tool_calls=s["num_search"] + s["num_access"],
-      searches=s["num_search"],
-      answered=s["answered"],
-      format_ok=s["format_ok"],
-      episode_s=s["duration_s"],
-      **({} if t.environment_failure else {"accuracy": _accuracy(t)}),
-      **({} if score is None else {"reward": score}),
-    )
-    self._count(
-      trajectories=1,
-      # Not `tool_calls`: that key is the per-trajectory mean, and a window with no trajectories
-      # would report this cumulative count under it.
-      tool_calls_total=s["num_search"] + s["num_access"],
-      generated_tokens=s["num_output_tokens"],
-      interrupted_trajectories=int(_interrupted(t)),
-    )
-
-
-@dataclasses.dataclass(kw_only=True)
-class _GroupJournal:
-  """A running group: its item, admission version and time, and one journal per episode."""
-
-  key: str
-  index: int
-  version: int
-  created_at: float
-  episodes: list[EpisodeJournal]
-  resumed: bool = False
-
-  def snapshot(self) -> dict[str, Any]:
-    return {
-      "key": self.key,
-      "index": self.index,
-      "version": self.version,
-      "created_at": self.created_at,
-      "episodes": [e.snapshot() for e in self.episodes],
-    }
-
-  @classmethod
-  def from_snapshot(cls, d: Mapping[str, Any]) -> _GroupJournal:
-    return cls(
-      key=d["key"],
-      index=int(d["index"]),
-      version=int(d["version"]),
-      created_at=float(d["created_at"]),
-      episodes=[EpisodeJournal.from_snapshot(e) for e in d["episodes"]],
-      resumed=True,
-    )
-
-
-def _accuracy(t: Trajectory) -> float:
-  return eval_metrics.exact_match(t.pred_answer, t.answers) if t.answers else 0.0
-
-
-def _interrupted(t: Trajectory) -> bool:
-  """A weight update landed inside one of its generate calls (engine-stamped versions differ)."""
-  return any(c.versions.size and c.versions.min() != c.versions.max() for c in t.calls)
 
 
 def group_item_key(group_id: str) -> str:

@@ -22,8 +22,8 @@ from asearcher_jax.rl.rollout import (
   QAItem,
   RolloutConfig,
   RolloutController,
-  score_group,
 )
+from asearcher_jax.rl.scoring import score_group
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.testing import ScriptedClient, fake_toolbox
 from asearcher_jax.tokenizer import Tokenizer
