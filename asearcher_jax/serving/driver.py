@@ -17,18 +17,9 @@ when it was dispatched, and a slot's token counts only if the same request still
 results are exactly those of a lock-step loop. A weight update first drains the step in flight,
 so re-prefill sees every token produced under the old weights.
 
-Prefix reuse (`DriverConfig.prefix_reuse`, prefix_cache.py): a request that leaves its slot parks
-it with its keys/values; a later request whose prompt starts with the parked sequence (an agent's
-next turn) is admitted into that slot by prefilling only the rest of its prompt, with the same
-tokens and logprobs as a full prefill. A weight update that recomputes forgets parked slots.
-
-In-flight updates without re-prefill (`DriverConfig.kv_on_update="keep"`, PipelineRL's and
-prime-rl's choice): the swap leaves every slot's keys/values -- in-flight and parked -- as the older
-weights computed them, and decoding goes on with the new weights attending to them. Each token's
-logprob is still exactly that of the distribution that sampled it (new weights over that cache),
-which is what the decoupled loss's importance weight pi_prox / pi_behav corrects for; its version
-stamps the weights that sampled it. What it saves is the re-prefill of every in-flight slot and the
-full prefill of every episode's next turn whose parked prefix "recompute" forgets.
+Prefix reuse (an agent's next turn prefills only its new suffix: prefix_cache.py) and what a
+weight update does to keys/values ("recompute" as AReaL, or "keep" as PipelineRL, exact logprobs
+either way) are described with their settings in `DriverConfig`.
 
 Callers use `await driver.generate(...)` from any event loop; thousands of requests queue for the
 slots. An exception fails the requests it touched, with the reason, and the loop keeps serving.
@@ -56,6 +47,7 @@ from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.request import Request
 from asearcher_jax.serving.sampling import mode_for
 from asearcher_jax.serving.types import EngineError, GenerationResult, SamplingParams, StopReason
+from asearcher_jax.serving.weight_update import PendingUpdate
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +95,6 @@ class _InFlight:
   owners: list[Request | None]  # the request in each slot when the step was dispatched
 
 
-@dataclasses.dataclass
-class _Update:
-  params: nnx.State
-  version: int
-  done: Future
-  recompute: bool  # re-prefill in-flight slots and forget parked ones (else keep them)
-
-
 class Driver:
   """Serves `generate` requests through the engine's slots on a dedicated thread."""
 
@@ -123,10 +107,10 @@ class Driver:
     self._slots: list[Request | None] = [None] * engine.max_concurrent_decodes
     self._prefixes = PrefixCache(enabled=cfg.prefix_reuse)  # engine thread only
     self._in_flight: _InFlight | None = None  # engine thread only
-    self._lock = threading.Lock()  # guards _queue, _by_id, _update
+    self._lock = threading.Lock()  # guards _queue, _by_id
     self._queue: collections.deque[Request] = collections.deque()
     self._by_id: dict[str, Request] = {}
-    self._update: _Update | None = None
+    self._update = PendingUpdate()  # the next weight update (any thread -> engine thread)
     self._wake = threading.Event()
     self._stopping = False
     self._ids = itertools.count()
@@ -210,14 +194,7 @@ class Driver:
     """Non-blocking form of update_params (a later update replaces a pending one)."""
     if recompute is None:
       recompute = self.cfg.kv_on_update == "recompute"
-    done: Future = Future()
-    with self._lock:
-      if self._update is not None:
-        self._update.done.cancel()
-        # The replaced update's weights never ran, but a recompute it asked for still must: the
-        # cache may hold keys/values of weights unrelated to the new ones (a reset).
-        recompute = recompute or self._update.recompute
-      self._update = _Update(params=params, version=int(version), done=done, recompute=recompute)
+    done = self._update.submit(params, version, recompute)
     self._wake.set()
     return done
 
@@ -287,8 +264,7 @@ class Driver:
       self._finish(req, error=EngineError("driver closed"))
 
   def _apply_update(self) -> None:
-    with self._lock:
-      update, self._update = self._update, None
+    update = self._update.take()
     if update is None:
       return
     keep = not update.recompute
