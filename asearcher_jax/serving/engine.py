@@ -322,10 +322,7 @@ class Engine(EngineContract):
       jnp.asarray(padded),
       jnp.asarray(start, jnp.int32),
       jnp.asarray(n, jnp.int32),
-      key,
-      temperature,
-      top_p,
-      top_k,
+      steps.RowSampling(key, temperature, top_p, top_k),
     )
     state = steps.PUT_ROW(
       decode_state, row, slot_, jnp.asarray(start + n, jnp.int32), tok, key, temperature, top_p,

@@ -11,6 +11,7 @@ to the host per step.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -187,13 +188,22 @@ def _generate_rows(
   return new_state, result
 
 
+class RowSampling(NamedTuple):
+  """One slot's sampling arrays (a pytree): PRNG key, temperature, top-p, top-k."""
+
+  key: jax.Array
+  temperature: jax.Array
+  top_p: jax.Array
+  top_k: jax.Array
+
+
 def _extend_row(graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams,
-                cache: KVCache, slot, tokens, start, true_length, key, temperature, top_p,
-                top_k):  # fmt: skip
+                cache: KVCache, slot, tokens, start, true_length, samp: RowSampling):  # fmt: skip
   """The compute half of a suffix prefill: reads the slot's cache row (a copy of one row; the
   decode state is not donated here), prefills the suffix tokens [1, bucket] (true_length of them)
   at offset start and samples the first new token from the last suffix position. Returns (the
   row's new cache, token, logprob, version)."""
+  key, temperature, top_p, top_k = samp
   model: Transformer = nnx.merge(graphdef, params.state)
 
   def row(buf):
