@@ -2,8 +2,9 @@
 
 A keyword-only function that gin binds. `asearcher eval` with no --gin_file uses
 gin/runs/eval.gin: the asearcher agent with a random qwen2-tiny policy in process on 20 shipped
-HotpotQA questions, against the retrieval server that `asearcher serve-retrieval` starts. `compare=(dir_a, dir_b)` only prints a side-by-side comparison, and
-`report_only=True` only rewrites the report of the run directory this configuration maps to.
+HotpotQA questions, against the retrieval server that `asearcher serve-retrieval` starts. `compare=(dir_a, dir_b)` only
+prints a side-by-side comparison, and `report_only=True` only rewrites the report of the run
+directory this configuration maps to.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.evaluation import report
 from asearcher_jax.evaluation.judge import JudgeConfig, LLMJudge, VerdictCache
 from asearcher_jax.evaluation.runner import EvalRunner, RunnerConfig
-from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.model.loading import PolicyConfig, load_policy
 from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
 from asearcher_jax.tools.cache import CacheConfig
@@ -37,60 +38,82 @@ from asearcher_jax.tools.toolbox import make_toolbox
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalData:
+  """Which questions are evaluated."""
+
+  # Shipped names (see data.qa.SHIPPED), QA files, or names under `data_dir`.
+  datasets: tuple[str, ...] = ("hotpotqa_train100",)
+  # Where named datasets live (None: the shipped ones only).
+  data_dir: str | None = None
+  # Split to read from sets that have several.
+  split: str = "test"
+  # The first N questions of each dataset; None: all.
+  limit: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Generation:
+  """Where the agent's generations come from."""
+
+  # "engine" (in process: the policy below), "remote" (a `serve-model` at server_url or via
+  # server_address_file: exact tokens) or "openai" (any OpenAI-compatible /v1/completions at
+  # server_url = ".../v1" serving server_model; text re-tokenized with policy.tokenizer_dir).
+  backend: str = "engine"
+  # The in-process policy (engine), or just its tokenizer (remote, openai).
+  policy: PolicyConfig = PolicyConfig()
+  # Slots, context and prefill buckets of the in-process engine; None: EngineConfig().
+  engine: Any = None
+  # The in-process driver's settings; None: DriverConfig().
+  driver: Any = None
+  # Server root ("http://host:port", or ".../v1" for "openai").
+  server_url: str | None = None
+  # A `serve-model` address file (remote only), instead of server_url.
+  server_address_file: str | None = None
+  # The model name sent to an OpenAI-compatible server.
+  server_model: str = "asearcher-policy"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalTools:
+  """The agent's ToolBox."""
+
+  # Search and access providers ("local" needs retrieval_addresses or retrieval_addr_dir).
+  search: str = "local"
+  access: str = "local"
+  # Retrieval servers ("host:port"), or a directory of their address files.
+  retrieval_addresses: tuple[str, ...] = ()
+  retrieval_addr_dir: str | None = None
+  # "off", "read-write" (record tool results) or "replay-only" (exact offline re-run).
+  cache: str = "off"
+  # The cache file; None: {output_dir}/tool_cache.sqlite.
+  cache_path: str | None = None
+
+
 def evaluate(
   *,
-  datasets: Sequence[str] = ("hotpotqa_train100",),
-  data_dir: str | None = None,
-  split: str = "test",
-  limit: int | None = None,
-  output_dir: str = "runs/eval",
+  data: EvalData = EvalData(),
   agent: str = "asearcher",
   agent_config: Any = None,
-  generation: str = "engine",
-  model_dir: str | None = None,
-  model: ModelConfig | None = None,
-  tokenizer_dir: str | None = None,
-  engine: Any = None,
-  driver: Any = None,
-  server_url: str | None = None,
-  server_address_file: str | None = None,
-  server_model: str = "asearcher-policy",
-  temperature: float = 0.6,
-  top_p: float = 0.95,
-  top_k: int = 0,
-  num_runs: int = 1,
-  seed: int = 0,
-  concurrency: int = 16,
-  question_timeout_s: float = 3600.0,
-  search: str = "local",
-  access: str = "local",
-  retrieval_addresses: Sequence[str] = (),
-  retrieval_addr_dir: str | None = None,
-  tool_cache: str = "off",
-  tool_cache_path: str | None = None,
-  judge_url: str | None = None,
-  judge_model: str = "gpt-4o-mini-2024-07-18",
-  judge_max_attempts: int = 3,
-  save_trajectories: bool = True,
-  progress: bool = True,
+  generation: Generation = Generation(),
+  sampling: SamplingParams = SamplingParams(temperature=0.6, top_p=0.95),
+  runner: RunnerConfig = RunnerConfig(output_dir="runs/eval"),
+  tools: EvalTools = EvalTools(),
+  judge: JudgeConfig | None = None,
   report_only: bool = False,
   compare: Sequence[str] | None = None,
 ) -> int:
   """Evaluates and reports; returns 0 (the process exit code).
 
   Args:
-    datasets: shipped names (see data.qa.SHIPPED), QA files, or names under `data_dir`.
-    limit: first N questions of each dataset (None: all).
-    generation: "engine" (in process: `model_dir` checkpoint, else a random `model`), "remote"
-      (`serve-model` at `server_url` or via `server_address_file`: exact tokens) or "openai" (any
-      OpenAI-compatible /v1/completions at `server_url` = ".../v1" serving `server_model`; text
-      re-tokenized with `tokenizer_dir`'s tokenizer).
-    temperature / top_p / top_k: sampling (ASearcher's eval scripts: 0.6 / 0.95 / off).
-    num_runs / seed: k seeded runs (run r uses seed + r) for Avg@k and Pass@k.
-    search / access: ToolBox providers ("local" needs retrieval_addresses or retrieval_addr_dir).
-    tool_cache: "off", "read-write" (record tool results) or "replay-only" (exact offline re-run);
-      the cache lives at `tool_cache_path` (default {output_dir}/tool_cache.sqlite).
-    judge_url: an OpenAI-compatible API root (".../v1") to judge with; None: no LLM judge.
+    data: the datasets and how many questions of each.
+    agent / agent_config: a registered agent (agent.registry) and its config (None: defaults).
+    generation: the in-process engine, a `serve-model`, or an OpenAI-compatible server.
+    sampling: temperature / top_p / top_k (ASearcher's eval scripts: 0.6 / 0.95 / off).
+    runner: output directory, k seeded runs (run r uses seed + r), concurrency, timeouts.
+    tools: the ToolBox providers, retrieval servers and the tool cache.
+    judge: an OpenAI-compatible LLM judge; None: no judge.
+    report_only: only rewrite the report of the run directory this configuration maps to.
     compare: two run directories: print them side by side and return.
   """
   if compare is not None:
@@ -102,45 +125,40 @@ def evaluate(
     cmp = report.compare(*compare)
     print(report.format_comparison(cmp))
     return 0
-  data = {
-    name: load_dataset(name, data_dir=data_dir, split=split, limit=limit) for name in datasets
+  loaded = {
+    name: load_dataset(name, data_dir=data.data_dir, split=data.split, limit=data.limit)
+    for name in data.datasets
   }
-  data = {examples[0].dataset: examples for examples in data.values()}
+  loaded = {examples[0].dataset: examples for examples in loaded.values()}
+  if tools.cache_path is None:
+    tools = dataclasses.replace(
+      tools, cache_path=str(Path(runner.output_dir) / "tool_cache.sqlite")
+    )
   return asyncio.run(
     _evaluate(
-      data=data, output_dir=output_dir, agent=agent, agent_config=agent_config,
-      generation=generation, model_dir=model_dir, model=model, tokenizer_dir=tokenizer_dir,
-      engine=engine, driver=driver, server_url=server_url, server_address_file=server_address_file,
-      server_model=server_model,
-      sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
-      runner_config=RunnerConfig(
-        output_dir=output_dir, num_runs=num_runs, seed=seed, concurrency=concurrency,
-        question_timeout_s=question_timeout_s, save_trajectories=save_trajectories,
-        progress=progress,
-      ),
-      search=search, access=access, retrieval_addresses=tuple(retrieval_addresses),
-      retrieval_addr_dir=retrieval_addr_dir, tool_cache=tool_cache,
-      tool_cache_path=tool_cache_path or str(Path(output_dir) / "tool_cache.sqlite"),
-      judge=JudgeConfig(base_url=judge_url, model=judge_model, max_attempts=judge_max_attempts)
-      if judge_url else None,
-      report_only=report_only,
+      loaded, agent=agent, agent_config=agent_config, generation=generation, sampling=sampling,
+      runner_config=runner, tools=tools, judge=judge, report_only=report_only,
     )
   )  # fmt: skip
 
 
-def _generation_client(
-  generation: str, *, model_dir, model, tokenizer_dir, engine, driver, server_url,
-  server_address_file, server_model,
-) -> tuple[Any, Tokenizer, dict[str, Any], Any]:  # fmt: skip
+def _generation_client(g: Generation) -> tuple[Any, Tokenizer, dict[str, Any], Any]:
   """(client, tokenizer, identity, closer) for the chosen generation backend."""
+  p = g.policy
+  model_dir, tokenizer_dir = p.model_dir, p.tokenizer_dir
+  server_url, server_address_file, server_model = (
+    g.server_url,
+    g.server_address_file,
+    g.server_model,
+  )
+  generation = g.backend
   if generation == "engine":
-    from asearcher_jax.model.loading import load_policy
     from asearcher_jax.serving.driver import Driver, DriverConfig
     from asearcher_jax.serving.engine import Engine, EngineConfig
 
-    policy, tokenizer, what = load_policy(model_dir, model, tokenizer_dir)
-    eng = Engine.from_model(policy, tokenizer, engine or EngineConfig())
-    drv = Driver(eng, driver or DriverConfig())
+    policy, tokenizer, what = load_policy(model_dir, p.model, tokenizer_dir, p.seed)
+    eng = Engine.from_model(policy, tokenizer, g.engine or EngineConfig())
+    drv = Driver(eng, g.driver or DriverConfig())
     identity = {"generation": "engine", "model_dir": model_dir, "model": what}
     return drv, tokenizer, identity, drv.close
   if generation == "remote":
@@ -165,7 +183,9 @@ def _generation_client(
     config = OpenAICompletionsConfig(base_url=server_url, model=server_model)
     identity = {"generation": "openai", "server": server_url, "server_model": server_model}
     return OpenAICompletionsClient(config, tokenizer), tokenizer, identity, None
-  raise AsearcherError(f"generation must be 'engine', 'remote' or 'openai', got {generation!r}")
+  raise AsearcherError(
+    f"Generation.backend must be 'engine', 'remote' or 'openai', got {generation!r}"
+  )
 
 
 async def _index_identity(local: LocalRetrievalConfig | None) -> dict[str, Any] | None:
@@ -192,30 +212,37 @@ async def _index_identity(local: LocalRetrievalConfig | None) -> dict[str, Any] 
 
 
 async def _evaluate(
-  *, data, output_dir, agent, agent_config, generation, model_dir, model, tokenizer_dir, engine,
-  driver, server_url, server_address_file, server_model, sampling, runner_config, search, access,
-  retrieval_addresses, retrieval_addr_dir, tool_cache, tool_cache_path, judge, report_only,
-) -> int:  # fmt: skip
+  data: dict[str, Any],
+  *,
+  agent: str,
+  agent_config: Any,
+  generation: Generation,
+  sampling: SamplingParams,
+  runner_config: RunnerConfig,
+  tools: EvalTools,
+  judge: JudgeConfig | None,
+  report_only: bool,
+) -> int:
   _, agent_config = registry.resolve(agent, agent_config)  # a bad name fails before any work
-  cache = CacheConfig(mode=tool_cache, path=tool_cache_path)
+  output_dir = runner_config.output_dir
+  search, access = tools.search, tools.access
+  cache = CacheConfig(mode=tools.cache, path=tools.cache_path)
   local = None
   if "local" in (search, access):
-    if not retrieval_addresses and not retrieval_addr_dir:
+    if not tools.retrieval_addresses and not tools.retrieval_addr_dir:
       raise AsearcherError(
         "local tools need retrieval_addresses or retrieval_addr_dir (start one with "
         "`asearcher serve-retrieval --gin_param='serve_retrieval.serve.addr_dir=\"DIR\"'`)"
       )
-    local = LocalRetrievalConfig(addresses=retrieval_addresses, addr_dir=retrieval_addr_dir)
+    local = LocalRetrievalConfig(
+      addresses=tuple(tools.retrieval_addresses), addr_dir=tools.retrieval_addr_dir
+    )
   toolbox = make_toolbox(
     search=search, access=access, local=local, cache=cache,
     config=agent_config.toolbox_config() if hasattr(agent_config, "toolbox_config") else None,
   )  # fmt: skip
   identity_tools = {"search": search, "access": access, "index": await _index_identity(local)}
-  client, tokenizer, gen_identity, closer = _generation_client(
-    generation, model_dir=model_dir, model=model, tokenizer_dir=tokenizer_dir, engine=engine,
-    driver=driver, server_url=server_url, server_address_file=server_address_file,
-    server_model=server_model,
-  )  # fmt: skip
+  client, tokenizer, gen_identity, closer = _generation_client(generation)
   llm_judge = None
   if judge is not None:
     llm_judge = LLMJudge(judge, cache=VerdictCache(Path(output_dir) / "judge_cache.jsonl"))

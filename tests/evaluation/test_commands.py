@@ -44,7 +44,7 @@ def test_bad_dataset_file_is_a_one_line_error_naming_the_line(tmp_path):
   bad.write_text(
     '{"id": 1, "question": "Q", "answer": "A"}\n{"id": 1, "question": "Q2", "answer": "B"}\n'
   )
-  proc = _eval(f"--gin_param=commands.evaluate.datasets=['{bad}']")
+  proc = _eval(f"--gin_param=commands.EvalData.datasets=['{bad}']")
   assert proc.returncode == 1, proc.stderr
   (line,) = [x for x in proc.stderr.splitlines() if x.startswith("asearcher eval: error:")]
   assert f"{bad}:2: duplicate id '1' (first on line 1)" in line
@@ -55,9 +55,9 @@ def test_unreachable_generation_endpoint_fails_fast_from_the_cli(tmp_path):
   port = _closed_port()
   t0 = time.perf_counter()
   proc = _eval(
-    "--gin_param=commands.evaluate.generation='remote'",
-    f"--gin_param=commands.evaluate.server_url='http://127.0.0.1:{port}'",
-    f"--gin_param=commands.evaluate.output_dir='{tmp_path}'",
+    "--gin_param=commands.Generation.backend='remote'",
+    f"--gin_param=commands.Generation.server_url='http://127.0.0.1:{port}'",
+    f"--gin_param=runner.RunnerConfig.output_dir='{tmp_path}'",
   )
   assert proc.returncode == 1, proc.stderr
   assert f"generation endpoint http://127.0.0.1:{port}/health is unreachable" in proc.stderr
@@ -91,11 +91,11 @@ async def test_eval_command_runs_resumes_and_compares(tmp_path, retrieval_server
   policy and the real retrieval server; a second identical command reuses every result."""
   port = retrieval_server.port
   params = (
-    f"--gin_param=commands.evaluate.output_dir='{tmp_path}'",
-    f"--gin_param=commands.evaluate.retrieval_addresses=['127.0.0.1:{port}']",
-    "--gin_param=commands.evaluate.limit=3",
-    "--gin_param=commands.evaluate.num_runs=2",
-    "--gin_param=commands.evaluate.progress=False",
+    f"--gin_param=runner.RunnerConfig.output_dir='{tmp_path}'",
+    f"--gin_param=commands.EvalTools.retrieval_addresses=['127.0.0.1:{port}']",
+    "--gin_param=commands.EvalData.limit=3",
+    "--gin_param=runner.RunnerConfig.num_runs=2",
+    "--gin_param=runner.RunnerConfig.progress=False",
     "--gin_param=asearcher.AsearcherAgentConfig.max_turns=2",
     "--gin_param=asearcher.AsearcherAgentConfig.max_new_tokens=4",
     "--gin_param=engine.EngineConfig.max_slots=4",
@@ -129,11 +129,11 @@ async def test_eval_command_killed_with_sigkill_resumes_without_recomputing(
 ):
   """`kill -9` the eval process once some questions are done; the rerun computes only the rest."""
   params = [
-    f"--gin_param=commands.evaluate.output_dir='{tmp_path}'",
-    f"--gin_param=commands.evaluate.retrieval_addresses=['127.0.0.1:{retrieval_server.port}']",
-    "--gin_param=commands.evaluate.limit=10",
-    "--gin_param=commands.evaluate.num_runs=1",
-    "--gin_param=commands.evaluate.progress=False",
+    f"--gin_param=runner.RunnerConfig.output_dir='{tmp_path}'",
+    f"--gin_param=commands.EvalTools.retrieval_addresses=['127.0.0.1:{retrieval_server.port}']",
+    "--gin_param=commands.EvalData.limit=10",
+    "--gin_param=runner.RunnerConfig.num_runs=1",
+    "--gin_param=runner.RunnerConfig.progress=False",
     "--gin_param=asearcher.AsearcherAgentConfig.max_turns=4",
     "--gin_param=asearcher.AsearcherAgentConfig.max_new_tokens=8",
     "--gin_param=engine.EngineConfig.max_slots=2",
