@@ -113,12 +113,13 @@ from flax import nnx
 from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig, Limits
 from asearcher_jax.apps import serve_model as serving_commands
 from asearcher_jax.apps.train import smoke_scorer
+from asearcher_jax.data.qa import QAExample
 from asearcher_jax.model import steps, transformer
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.rl.learner import Learner, PPOConfig
 from asearcher_jax.rl.replay import Group, ReplayConfig, ReplayQueue
-from asearcher_jax.rl.rollout import AgentSource, QAItem, RolloutConfig, RolloutController
+from asearcher_jax.rl.rollout import AgentSource, RolloutConfig, RolloutController
 from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, InProcessWeightSync
@@ -416,7 +417,7 @@ def run_mode(
     )  # fmt: skip
 
   items = [
-    QAItem(qid=str(i), question=f"Benchmark question number {i}: who, where and when?",
+    QAExample(id=str(i), dataset="bench", question=f"Benchmark question number {i}: who, where and when?",
            answers=("unknown",))
     for i in range(64)
   ]  # fmt: skip

@@ -37,13 +37,13 @@ from asearcher_jax.apps import wiring
 from asearcher_jax.apps.stages import StageTracker
 from asearcher_jax.apps.train_config import AgentChoice, LearnerConfig, TrainConfig
 from asearcher_jax.apps.world import RetrievalThread, WorldFiles, prepare_world
-from asearcher_jax.data.qa import load_qa_file
+from asearcher_jax.data.qa import QAExample, load_qa_file, load_training_qa
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.evaluation import report as eval_report
 from asearcher_jax.evaluation.runner import EvalRunner, RunnerConfig
 from asearcher_jax.model import steps
 from asearcher_jax.rl.learner import PPOConfig
-from asearcher_jax.rl.rollout import QAItem, RolloutConfig
+from asearcher_jax.rl.rollout import RolloutConfig
 from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
@@ -147,14 +147,14 @@ def evaluate(
 
 def rl_pool(
   files: WorldFiles, which: str, eval_questions: int | None, kinds: tuple[str, ...] | None = None
-) -> list[QAItem]:
+) -> list[QAExample]:
   """The RL question pool (see `QuickstartRL.questions`): "train", or "heldout" = the test
   split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
-  training questions and the evaluation; only questions of `kinds` (QAItem.bucket) if given."""
+  training questions and the evaluation; only questions of `kinds` (QAExample.bucket) if given."""
   if which == "train":
-    items = rl_commands.load_qa(files.train)
+    items = load_training_qa(files.train)
   elif which == "heldout":
-    items = rl_commands.load_qa(files.test)[eval_questions:] if eval_questions is not None else []
+    items = load_training_qa(files.test)[eval_questions:] if eval_questions is not None else []
     if not items:
       raise AsearcherError(
         "QuickstartRL.questions='heldout' needs test questions beyond the evaluated ones: set "

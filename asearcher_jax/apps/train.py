@@ -18,7 +18,6 @@ version from `remote.weights_dir` (`rl.remote`: AReaL's disaggregated layout).
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import logging
 import time
@@ -34,6 +33,7 @@ from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.apps import wiring
 from asearcher_jax.apps.train_config import TrainConfig
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
+from asearcher_jax.data.qa import QAExample, load_training_qa
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model.config import ModelConfig
@@ -41,7 +41,7 @@ from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
 from asearcher_jax.rl.replay import ReplayQueue
-from asearcher_jax.rl.rollout import AgentSource, QAItem, RolloutController
+from asearcher_jax.rl.rollout import AgentSource, RolloutController
 from asearcher_jax.rl.scoring import Scorer, answer_scorer
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
@@ -53,49 +53,6 @@ from asearcher_jax.serving.types import GenerationClient, SamplingParams
 from asearcher_jax.tools.toolbox import ToolBox
 
 log = logging.getLogger(__name__)
-
-DEFAULT_QA = (
-  Path(__file__).resolve().parents[1] / "assets" / "qa" / "hipporag_hotpotqa_train100.json.gz"
-)
-
-
-def load_qa(path: str | Path | None = None, *, limit: int | None = None) -> list[QAItem]:
-  """Questions from a .json / .json.gz list or .jsonl(.gz) file with `question` and `answer`
-  (str) or `answers` (list) fields -- HotpotQA and ASearcher's formats. Default: HotpotQA-100."""
-  path = Path(path) if path else DEFAULT_QA
-  opener = gzip.open if path.suffix == ".gz" else open
-  with opener(path, "rt", encoding="utf-8") as f:
-    text = f.read()
-  stem = path.name.removesuffix(".gz")
-  rows = (
-    [json.loads(x) for x in text.splitlines() if x.strip()]
-    if stem.endswith(".jsonl")
-    else json.loads(text)
-  )
-  items = []
-  for i, r in enumerate(rows[:limit]):
-    answers = r.get("answers", r.get("answer"))
-    answers = [answers] if isinstance(answers, str) else list(answers or [])
-    items.append(
-      QAItem(
-        qid=str(r.get("id", r.get("_id", i))),
-        question=str(r["question"]),
-        answers=tuple(str(a) for a in answers),
-        aug_answers=tuple(str(a) for a in r.get("aug_answers", ())),
-        bucket=_bucket(r),
-      )
-    )
-  if not items:
-    raise ValueError(f"no questions in {path}")
-  return items
-
-
-def _bucket(record: dict) -> str:
-  """The curriculum bucket of a QA record: its `bucket` field, else what the common formats say
-  about the kind of question (SynthWiki: kind and hops; HotpotQA: type and level)."""
-  if record.get("bucket"):
-    return str(record["bucket"])
-  return "-".join(str(record[k]) for k in ("kind", "hops", "type", "level") if k in record)
 
 
 def smoke_scorer(trajs: Sequence[Trajectory]) -> list[float | None]:
@@ -169,7 +126,7 @@ RETRIEVAL_ADDRS = "retrieval_addrs"
 
 
 def build_run(
-  config: TrainConfig, *, run_dir: str, policy: wiring.Policy, items: Sequence[QAItem]
+  config: TrainConfig, *, run_dir: str, policy: wiring.Policy, items: Sequence[QAExample]
 ) -> TrainRun:
   """Builds (does not start) a run of `config` in `run_dir`: `policy` is trained (the engine
   gets its own copy of the parameters) on `items`; see `train`."""
@@ -299,7 +256,7 @@ def train(
     policy=wiring.policy(
       model_dir=model_dir, model=model, tokenizer_dir=tokenizer_dir, seed=config.seed
     ),
-    items=load_qa(questions, limit=max_questions),
+    items=load_training_qa(questions, limit=max_questions),
   )
   try:
     resumed = run.start(retrieval_index_dir=retrieval_index_dir)

@@ -75,6 +75,7 @@ class QAExample:
     source: "file:line" it was read from.
     sensitive: decrypted in memory from an encrypted file (xbench): never store or print the
       question, the answers or anything derived from them.
+  One record type serves evaluation and training alike (`load_training_qa`).
   """
 
   id: str
@@ -83,6 +84,12 @@ class QAExample:
   dataset: str
   source: str = ""
   sensitive: bool = False
+  # Training extras (ASearcher's QA files): alternative answers blended into the reward, whether
+  # the question is "valid-instructed" (answering "invalid" is penalised), and its kind (SynthWiki
+  # "chain-2", HotpotQA type-level) for the curriculum.
+  aug_answers: tuple[str, ...] = ()
+  valid_inst: bool = False
+  bucket: str = ""
 
 
 def _open_text(path: Path) -> str:
@@ -344,3 +351,51 @@ def load_dataset(
       raise DatasetError(f"limit must be >= 1, got {limit}")
     examples = examples[:limit]
   return examples
+
+
+DEFAULT_TRAINING_QA = Path(__file__).resolve().parents[1] / "assets" / "qa"
+DEFAULT_TRAINING_QA = DEFAULT_TRAINING_QA / "hipporag_hotpotqa_train100.json.gz"
+
+
+def load_training_qa(
+  path: str | Path | None = None, *, limit: int | None = None
+) -> list[QAExample]:
+  """RL questions from a .json / .json.gz list or .jsonl(.gz) file with `question` and `answer`
+  (str) or `answers` (list) fields, plus `aug_answers` and a curriculum bucket when present --
+  HotpotQA's, ASearcher's and SynthWiki's formats. Default: the shipped HotpotQA-100."""
+  path = Path(path) if path else DEFAULT_TRAINING_QA
+  opener = gzip.open if path.suffix == ".gz" else open
+  with opener(path, "rt", encoding="utf-8") as f:
+    text = f.read()
+  stem = path.name.removesuffix(".gz")
+  rows = (
+    [json.loads(x) for x in text.splitlines() if x.strip()]
+    if stem.endswith(".jsonl")
+    else json.loads(text)
+  )
+  items = []
+  for i, r in enumerate(rows[:limit]):
+    answers = r.get("answers", r.get("answer"))
+    answers = [answers] if isinstance(answers, str) else list(answers or [])
+    items.append(
+      QAExample(
+        id=str(r.get("id", r.get("_id", i))),
+        question=str(r["question"]),
+        answers=tuple(str(a) for a in answers),
+        dataset=stem.split(".")[0],
+        source=f"{path}:{i + 1}",
+        aug_answers=tuple(str(a) for a in r.get("aug_answers", ())),
+        bucket=_bucket(r),
+      )
+    )
+  if not items:
+    raise DatasetError(f"no questions in {path}")
+  return items
+
+
+def _bucket(record: dict) -> str:
+  """The curriculum bucket of a QA record: its `bucket` field, else what the common formats say
+  about the kind of question (SynthWiki: kind and hops; HotpotQA: type and level)."""
+  if record.get("bucket"):
+    return str(record["bucket"])
+  return "-".join(str(record[k]) for k in ("kind", "hops", "type", "level") if k in record)

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
+from asearcher_jax.data.qa import QAExample
 from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
 from asearcher_jax.rl.inflight import EpisodeJournal, GroupJournal, JournalClient, JournalToolBox
 from asearcher_jax.rl.replay import Group, ReplayQueue
@@ -78,7 +79,7 @@ class RolloutConfig:
   shuffle: visit items in a fresh seeded permutation each epoch (else file order).
   seed: permutation seed.
   occupancy_sample_s: how often `engine_stats` is sampled for mean slot occupancy (0 = never).
-  curriculum: draw items through `CurriculumCursor` (buckets from `QAItem.bucket`, thinned out
+  curriculum: draw items through `CurriculumCursor` (buckets from `QAExample.bucket`, thinned out
     where recent groups were zero-variance; always shuffled within a bucket, `shuffle` is
     ignored) instead of the plain walk.
   curriculum_floor: a bucket's weight never drops below this fraction of its size.
@@ -109,18 +110,6 @@ class RolloutConfig:
       raise ValueError(f"max_env_retries must be >= 0, got {self.max_env_retries}")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QAItem:
-  """One dataset item: a question with its gold answers."""
-
-  qid: str
-  question: str
-  answers: tuple[str, ...]
-  aug_answers: tuple[str, ...] = ()
-  valid_inst: bool = False
-  bucket: str = ""  # kind of question (SynthWiki: "chain-2"), for the curriculum
-
-
 class RolloutController:
   """Runs groups of agent episodes on a background event loop and feeds the replay queue.
 
@@ -134,7 +123,7 @@ class RolloutController:
     self,
     *,
     config: RolloutConfig,
-    items: Sequence[QAItem],
+    items: Sequence[QAExample],
     agents: AgentSource,
     staleness: StalenessManager,
     replay: ReplayQueue,
@@ -378,7 +367,7 @@ class RolloutController:
   async def _finish_group(
     self,
     key: str,
-    item: QAItem,
+    item: QAExample,
     trajs: Sequence[Trajectory | None],
     version: int,
     created: float,
@@ -401,13 +390,13 @@ class RolloutController:
       return False
     keep, advantages, scores = outcome.keep, outcome.advantages, outcome.scores
     group = Group.from_trajectories(
-      f"{key}/{item.qid}",
+      f"{key}/{item.id}",
       [trajs[i] for i in keep],
       [advantages[i] for i in keep],
       created_version=version,
       created_at=created,
       metadata={
-        "qid": item.qid,
+        "qid": item.id,
         "scores": [scores[i] for i in keep],
         "item": key,
         "agent": trajs[keep[0]].agent,
@@ -441,7 +430,7 @@ class RolloutController:
       if left <= 0 or self._stopping.is_set():
         return False
 
-  async def _run_episode(self, item: QAItem, group: GroupJournal, i: int) -> Trajectory | None:
+  async def _run_episode(self, item: QAExample, group: GroupJournal, i: int) -> Trajectory | None:
     """One episode, rerun on environment failure per policy; None if it never produced a usable
     trajectory within the timeout. The first attempt replays the episode's saved journal."""
     c = self.config
@@ -457,7 +446,7 @@ class RolloutController:
         async with asyncio.timeout(c.episode_timeout_s):
           traj = await agent.run(
             item.question,
-            qid=item.qid,
+            qid=item.id,
             answers=item.answers,
             aug_answers=item.aug_answers,
             valid_inst=item.valid_inst,

@@ -81,7 +81,7 @@ def test_rl_pool_heldout_excludes_training_and_evaluated_questions(tmp_path):
     pipeline.rl_pool(files, "test", 3)
   # Only some kinds of questions (here the 1-hop chains: test-4, test-6).
   one_hop = pipeline.rl_pool(files, "heldout", 3, kinds=("chain-1",))
-  assert [i.qid for i in one_hop] == ["test-4", "test-6"]
+  assert [i.id for i in one_hop] == ["test-4", "test-6"]
   with pytest.raises(AsearcherError, match=r"no RL question of kinds.*chain-2"):
     pipeline.rl_pool(files, "heldout", 3, kinds=("chain-9",))
 

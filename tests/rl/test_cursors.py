@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from asearcher_jax.data.qa import QAExample
 from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
-from asearcher_jax.rl.rollout import QAItem
 from asearcher_jax.tokenizer import Tokenizer
 from tests.rl.test_rollout import alternating, controller, wait_for
 
@@ -87,7 +87,13 @@ def test_controller_reports_group_outcomes_to_the_curriculum(tok):
   # Items q0..q5 in two buckets; every group of two alternating episodes is mixed. decay = 1
   # keeps the counts exact.
   items = [
-    QAItem(qid=f"q{i}", question=f"Capital number {i}?", answers=("Paris",), bucket=f"b{i % 2}")
+    QAExample(
+      id=f"q{i}",
+      dataset="t",
+      question=f"Capital number {i}?",
+      answers=("Paris",),
+      bucket=f"b{i % 2}",
+    )
     for i in range(6)
   ]
   ctl, staleness, replay = controller(

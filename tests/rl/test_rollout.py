@@ -15,11 +15,11 @@ import pytest
 
 from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig
 from asearcher_jax.agent.trajectory import Trajectory
+from asearcher_jax.data.qa import QAExample
 from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
 from asearcher_jax.rl.rollout import (
   AgentSource,
   DataCursor,
-  QAItem,
   RolloutConfig,
   RolloutController,
 )
@@ -28,7 +28,10 @@ from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.testing import ScriptedClient, fake_toolbox
 from asearcher_jax.tokenizer import Tokenizer
 
-ITEMS = [QAItem(qid=f"q{i}", question=f"Capital number {i}?", answers=("Paris",)) for i in range(6)]
+ITEMS = [
+  QAExample(id=f"q{i}", dataset="t", question=f"Capital number {i}?", answers=("Paris",))
+  for i in range(6)
+]
 AGENT = AsearcherAgentConfig(max_turns=4, max_new_tokens=64, max_tokens=4096)
 
 

@@ -38,6 +38,7 @@ from asearcher_jax.apps.train_config import (
   TrainConfig,
 )
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
+from asearcher_jax.data.qa import load_training_qa
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.steps import OptimizerConfig
 from asearcher_jax.rl.replay import (
@@ -89,7 +90,7 @@ def build(
   )  # fmt: skip
   return commands.build_run(
     config, run_dir=str(run_dir), policy=wiring.policy(model=TINY, tokenizer_dir=str(tok_dir)),
-    items=commands.load_qa(limit=24),
+    items=load_training_qa(limit=24),
   )  # fmt: skip
 
 
@@ -237,6 +238,7 @@ from __gin__ import dynamic_registration
 from asearcher_jax.agent import asearcher
 from asearcher_jax.model import presets
 from asearcher_jax.apps import train as commands
+from asearcher_jax.data.qa import load_training_qa
 from asearcher_jax.rl import rollout
 from asearcher_jax.rl import staleness
 from asearcher_jax.serving import engine

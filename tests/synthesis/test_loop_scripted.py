@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from asearcher_jax.apps.train import load_qa
-from asearcher_jax.data.qa import load_qa_file
+from asearcher_jax.data.qa import load_qa_file, load_training_qa
 from asearcher_jax.synthesis import OracleQuery, Seed, SynthConfig, check
 from asearcher_jax.synthesis.oracle import Fuzz
 from asearcher_jax.testing import synth_toyworld as W
@@ -51,7 +50,7 @@ async def test_accepted_questions_are_true_unique_and_loadable(scripted, tmp_pat
   assert [e.answers[0] for e in load_qa_file(tmp_path / "questions.jsonl")] == [
     r["answer"] for r in rows
   ]
-  assert len(load_qa(tmp_path / "questions.jsonl")) == len(rows)
+  assert len(load_training_qa(tmp_path / "questions.jsonl")) == len(rows)
 
   # Every request is in the call log with prompt, output and latency.
   calls = _rows(tmp_path / "calls.jsonl")
