@@ -2,7 +2,7 @@
 
 Run with no arguments: `.venv/bin/python benchmarks/synth_throughput.py` (about 30 s on 2 cores).
 Setup: the real synthesis loop, client, checks, oracle and output files, over the test suite's toy
-world, with every role served by the scripted loopback model (tests/data/synthesis/scripted.py),
+world, with every role served by the scripted loopback model (asearcher_jax/testing/synth_scripted.py),
 which answers each request after LATENCY_S -- the order of a short completion from a served
 model. A "candidate" is one base question or one edit, checked through every stage it reaches
 (each takes ~7-10 calls: generation, quality, 4 solver samples in parallel, judge, alternatives).
