@@ -18,6 +18,9 @@ from asearcher_jax.apps import quickstart as pipeline
 from asearcher_jax.apps.warm_start import (
   EARLY_ANSWER_OPTIMIZER,
   WARM_START_OPTIMIZER,
+  ExpertStage,
+  HastyStage,
+  SFTStage,
   warm_start,
 )
 from asearcher_jax.rl.replay import CONSUMED_LOG
@@ -37,16 +40,20 @@ SUMMARY_KEYS = {
 def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
   ship = tmp_path / "shipped"
   assert warm_start(
-    out_dir=str(tmp_path / "ws"), world=TINY, samples_per_question=1, imperfection=0.1,
-    sft=SFTConfig(steps=4, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
-                  progress=False),
-    optimizer=dataclasses.replace(WARM_START_OPTIMIZER, total_steps=4, warmup_steps=1),
-    early_answer=0.5,
-    early_answer_sft=SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2,
-                               checkpoint_every=2, progress=False),
-    early_answer_optimizer=dataclasses.replace(EARLY_ANSWER_OPTIMIZER, total_steps=2,
-                                               warmup_steps=1),
-    eval_questions=2, k=2, ship_to=str(ship), engine=SMALL_ENGINE,
+    out_dir=str(tmp_path / "ws"), world=TINY,
+    expert=ExpertStage(samples_per_question=1, imperfection=0.1),
+    sft=SFTStage(
+      config=SFTConfig(steps=4, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
+                       progress=False),
+      optimizer=dataclasses.replace(WARM_START_OPTIMIZER, total_steps=4, warmup_steps=1),
+    ),
+    hasty=HastyStage(
+      early_answer=0.5,
+      config=SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
+                       progress=False),
+      optimizer=dataclasses.replace(EARLY_ANSWER_OPTIMIZER, total_steps=2, warmup_steps=1),
+    ),
+    evaluation=pipeline.QuickstartEval(questions=2, k=2), ship_to=str(ship), engine=SMALL_ENGINE,
   ) == 0  # fmt: skip
   ws = tmp_path / "ws"
   assert (ws / "world" / "corpus.jsonl").stat().st_size > 0
