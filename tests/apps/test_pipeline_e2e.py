@@ -83,8 +83,7 @@ def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tmp_path):
   assert summary["rl_steps"] >= 1 and summary["eta"] == 4 and summary["k"] == 2
   assert summary["num_test_questions"] == 4
   assert set(summary["stages"]) == {"world", "load", "eval_sft", "rl", "eval_rl"}  # report: after
-  for png in ("training.png", "reward.png", "tool_calls.png"):
-    assert (run_dir / "report" / png).read_bytes()[:4] == b"\x89PNG"
+  assert (run_dir / "report" / "training.png").read_bytes()[:4] == b"\x89PNG"
   assert "Avg@4" in (run_dir / "report" / "report.md").read_text()
   # RL trained on accepted groups: B per step, recorded by the metrics and the replay log.
   metrics_log = (run_dir / "rl" / "metrics" / "metrics.jsonl").read_text()
