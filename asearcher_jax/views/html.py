@@ -40,7 +40,8 @@ CSS = """
 .asj .seq{white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;
  line-height:1.65;border:1px solid #ddd;border-radius:6px;padding:6px;max-height:480px;overflow:auto}
 .asj .tok{border-radius:2px}.asj .tok.c{color:#8a8a8a}
-.asj .tok.g{color:#111;border-bottom:2px solid rgba(200,0,0,var(--lp))}
+.asj .tok.g{color:#111;border-bottom:2px solid rgba(200,0,0,var(--lp));
+ box-shadow:inset -1px 0 rgba(0,0,0,.18)}
 .asj .cols{display:flex;gap:12px;align-items:flex-start}.asj .cols>div{flex:1;min-width:0}
 """
 

@@ -138,7 +138,8 @@ def print_episode(
 
 def print_table(episodes: Sequence[Episode], console: Console, title: str = "episodes") -> None:
   t = Table(title=title, title_justify="left")
-  for col in ("id", "question", "answer", "gold", "em", "score", "turns", "tools", "fail"):
+  t.add_column("id", no_wrap=True)  # whole, so it can be copied into --episode
+  for col in ("question", "answer", "gold", "em", "score", "turns", "tools", "fail"):
     t.add_column(col, overflow="fold")
   for e in episodes:
     s = e.summary()

@@ -135,8 +135,8 @@ def test_inspect_lists_draws_and_selects(tiny_run, capsys):
   assert inspect_cmd.main([str(tiny_run), "--worst", "2", "--width", "200"]) == 0
   assert all(e.id[:25] in capsys.readouterr().out for e in worst[:1])
   # Through the one entry point (gin-bound arguments).
-  assert cli.main(["inspect", f"--gin_param=inspect.run_dir='{tiny_run}'",
-                   "--gin_param=inspect.worst=1", "--gin_param=inspect.width=200"]) == 0  # fmt: skip
+  assert cli.main(["inspect", f"--gin_param=inspect.inspect.run_dir='{tiny_run}'",
+                   "--gin_param=inspect.inspect.worst=1", "--gin_param=inspect.inspect.width=200"]) == 0  # fmt: skip
   assert worst[0].id[:25] in capsys.readouterr().out
 
 
