@@ -81,7 +81,7 @@ def _fmt(x: Any) -> str:
 def version_colour(version: int) -> str:
   """Background of a generated token: one hue per policy version (golden-angle steps, so
   neighbouring versions differ clearly)."""
-  return f"hsl({(version * 137) % 360},70%,84%)"
+  return f"hsl({(140 + version * 137) % 360},70%,84%)"
 
 
 def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:

@@ -26,7 +26,11 @@ CELL_TIMEOUT_S = 600
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
   """<root>/quickstart (a CI-size quickstart: world, evaluations before/after RL, the RL run
-  with its episode export and metrics, the report) and <root>/synth (a toy synthesis run)."""
+  with its episode export and metrics, the report) and <root>/synth (a toy synthesis run).
+  ASEARCHER_TINY_RUN=<dir> reuses one built by `python -m tests.notebooks.tiny_run <dir>`."""
+  prebuilt = os.environ.get("ASEARCHER_TINY_RUN")  # local iteration: a dir made by tiny_run.py
+  if prebuilt:
+    return Path(prebuilt)
   root = tmp_path_factory.mktemp("tiny_run")
   timings = make_tiny_run(root)
   print(f"tiny run built: {timings}")
