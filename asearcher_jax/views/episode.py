@@ -67,7 +67,8 @@ def tool_attribution(t: ToolEvent) -> str:
   is excluded, not scored 0), "policy" (an invalid call: bad URL, empty query), or "" (none)."""
   if t.environment_failure or t.stats.get("environment_failure"):
     return "environment"
-  if t.stats.get("invalid_call") or t.stats.get("error") or t.stats.get("found") is False:
+  not_found = t.name == "access" and t.stats.get("found") is False  # a URL that does not exist
+  if t.stats.get("invalid_call") or t.stats.get("error") or not_found:
     return "policy"
   return ""
 

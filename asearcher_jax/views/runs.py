@@ -22,6 +22,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.evaluation import metrics as eval_metrics
 from asearcher_jax.rl.episodes import EPISODES_FILE, read_episodes
 from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.views.episode import tool_attribution
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -65,10 +66,7 @@ class Episode:
   def tool_failures(self) -> int:
     """Tool calls that failed: the environment's fault (outage, timeout) or the policy's
     (an invalid call, e.g. an unknown URL)."""
-    return sum(
-      bool(t.environment_failure or t.stats.get("invalid_call") or t.stats.get("error"))
-      for t in self.trajectory.tools
-    )
+    return sum(bool(tool_attribution(t)) for t in self.trajectory.tools)
 
   @property
   def correct(self) -> bool | None:

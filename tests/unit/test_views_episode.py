@@ -63,6 +63,9 @@ def test_turns_blocks_failures_and_compaction():
     after_call=0, name="access", argument="nope", text="", stats={"invalid_call": True}
   )
   assert ev.tool_attribution(bad) == "policy"
+  ep = runs.Episode(id="x", source="train", trajectory=traj, score=None, em=None)
+  assert ep.tool_failures == 1 and runs.worst([ep], 1) == [ep]
+  assert runs.select([ep], tool_failures=True) == [ep] and not runs.select([ep], correct=False)
   parts = ev.reward_parts(traj, stored=0.9)
   assert parts["em"] == 1.0 and parts["stored_score"] == 0.9 and parts["format_ok"]
 
