@@ -1,5 +1,5 @@
-"""One tiny real run directory for every notebook and view test (built once per session), and
-the executed notebooks (each executed once, by whichever test needs it first)."""
+"""The executed notebooks (each executed once per session, by whichever test needs it first), over
+the session's tiny run (`tiny_run`, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.notebooks.tiny_run import make_tiny_run
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -21,20 +19,6 @@ NAMES = (
   "synthesis_browser.ipynb",
 )
 CELL_TIMEOUT_S = 600
-
-
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> Path:
-  """<root>/quickstart (a CI-size quickstart: world, evaluations before/after RL, the RL run
-  with its episode export and metrics, the report) and <root>/synth (a toy synthesis run).
-  ASEARCHER_TINY_RUN=<dir> reuses one built by `python -m tests.notebooks.tiny_run <dir>`."""
-  prebuilt = os.environ.get("ASEARCHER_TINY_RUN")  # local iteration: a dir made by tiny_run.py
-  if prebuilt:
-    return Path(prebuilt)
-  root = tmp_path_factory.mktemp("tiny_run")
-  timings = make_tiny_run(root)
-  print(f"tiny run built: {timings}")
-  return root
 
 
 def execute(name: str, run_dir: Path, workdir: Path):
