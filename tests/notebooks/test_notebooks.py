@@ -53,7 +53,6 @@ def test_clean_strips_outputs_and_restores_the_badge(tmp_path):
   assert clean.badge("training_dashboard.ipynb") in fixed.cells[0].source
 
 
-@pytest.mark.slow
 def test_a_cell_that_raises_fails_the_execution(tmp_path, monkeypatch):
   import nbclient.exceptions
 
