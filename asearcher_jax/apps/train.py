@@ -38,6 +38,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.rl import reward as reward_lib
+from asearcher_jax.rl.episodes import EPISODES_FILE, EpisodeLog
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
 from asearcher_jax.rl.replay import ReplayQueue
@@ -193,7 +194,10 @@ def build_run(
     replay=replay,
     scorer=scorer,
     engine_stats=engine_stats,
+    episode_log=EpisodeLog(run / EPISODES_FILE),
   )
+  if not (run / "tokenizer" / "tokenizer.json").exists():  # the vocabulary of the exported ids
+    policy.tokenizer.save(run / "tokenizer")
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(run / "metrics")
   trainer = Trainer(
