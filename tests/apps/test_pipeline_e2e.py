@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from asearcher_jax.apps import quickstart as pipeline
 from asearcher_jax.apps.warm_start import (
   EARLY_ANSWER_OPTIMIZER,
   WARM_START_OPTIMIZER,
