@@ -7,9 +7,11 @@ engine gets a copy (`Learner.params_copy`), made on device. `update_params` swap
 between two decode steps and re-prefills every in-flight slot, so running episodes continue
 under the new policy (their tokens carry the new version from then on).
 
-Multi-process: `DirectoryWeightPublisher` writes each version into the versioned weights directory
-(`serving.weights_dir`), which every `serve-model` watches. The directory's format, pointer and
-watcher live on the serving side, so the engine never depends on the trainer.
+Multi-process: `DirectoryWeightPublisher` writes each version into the versioned weight store
+(`serving.weights_dir`: a local directory or a gs:// URL, sharded Orbax arrays in bf16 by default,
+a commit marker, an atomic LATEST pointer), which every `serve-model` watches and reads straight
+into its own sharding. The store's format, pointer and watcher live on the serving side, so the
+engine never depends on the trainer.
 """
 
 from __future__ import annotations
@@ -17,13 +19,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
+
+import jax.numpy as jnp
 from typing import Protocol
 
+from etils import epath
 from flax import nnx
 
 from asearcher_jax.rl.staleness import StalenessManager
-from asearcher_jax.serving.weights_dir import ParamsSink, prune_versions, write_version
+from asearcher_jax.serving.weights_dir import (
+  ParamsSink,
+  StorePath,
+  prune_versions,
+  store_path,
+  write_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +56,25 @@ class WeightSync(Protocol):
 class WeightSyncConfig:
   """Attributes:
   timeout_s: longest a weight update may take (swap + re-prefill, or write + rename).
-  keep_versions: directories kept by the publisher (older ones deleted); >= 1.
-  dtype: safetensors dtype of published weights; None keeps the param dtype.
+  keep_versions: versions kept in the store by the publisher (older ones deleted); >= 1.
+  dtype: dtype of the published weights (servers cast on load to their own); None keeps each
+    param's dtype (float32 master weights publish at twice the bytes).
   """
 
   timeout_s: float = 600.0
   keep_versions: int = 2
-  dtype: str | None = None
+  dtype: str | None = "bfloat16"
 
   def __post_init__(self):
     if self.timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
     if self.keep_versions < 1:
       raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")
+    if self.dtype is not None:
+      try:
+        jnp.dtype(self.dtype)
+      except TypeError as e:
+        raise ValueError(f"dtype must name a numpy/jax dtype or be None, got {self.dtype!r}") from e
 
 
 class InProcessWeightSync:
@@ -95,16 +111,18 @@ class InProcessWeightSync:
 
 
 class DirectoryWeightPublisher:
-  """Trainer side: writes each version as HF safetensors, then moves the LATEST pointer."""
+  """Trainer side: writes each version into the weight store, then moves the LATEST pointer.
+
+  On a multi-host trainer every process publishes (each writes its own shards)."""
 
   def __init__(
     self,
-    root: str | Path,
+    root: StorePath,
     graphdef: nnx.GraphDef,
     staleness: StalenessManager | None = None,
     config: WeightSyncConfig = WeightSyncConfig(),
   ) -> None:
-    self.root = Path(root)
+    self.root = store_path(root)
     self.root.mkdir(parents=True, exist_ok=True)
     self.graphdef = graphdef
     self.staleness = staleness
@@ -120,7 +138,7 @@ class DirectoryWeightPublisher:
     log.info("published version %d to %s", learner.version, path)
     return {"weight_sync/total_s": time.perf_counter() - t0}
 
-  def write(self, params: nnx.State, version: int) -> Path:
+  def write(self, params: nnx.State, version: int) -> epath.Path:
     final = write_version(
       self.root, nnx.merge(self.graphdef, params), version, dtype=self.config.dtype
     )
