@@ -19,10 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-
-import jax.numpy as jnp
 from typing import Protocol
 
+import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 
@@ -59,11 +58,14 @@ class WeightSyncConfig:
   keep_versions: versions kept in the store by the publisher (older ones deleted); >= 1.
   dtype: dtype of the published weights (servers cast on load to their own); None keeps each
     param's dtype (float32 master weights publish at twice the bytes).
+  compress: zstd-compress the published arrays (fewer bytes over a slow link such as GCS from
+    far away; about twice the CPU time to write and to read, benchmarks/weight_sync.py).
   """
 
   timeout_s: float = 600.0
   keep_versions: int = 2
   dtype: str | None = "bfloat16"
+  compress: bool = False
 
   def __post_init__(self):
     if self.timeout_s <= 0:
@@ -140,7 +142,8 @@ class DirectoryWeightPublisher:
 
   def write(self, params: nnx.State, version: int) -> epath.Path:
     final = write_version(
-      self.root, nnx.merge(self.graphdef, params), version, dtype=self.config.dtype
-    )
+      self.root, nnx.merge(self.graphdef, params), version, dtype=self.config.dtype,
+      compress=self.config.compress,
+    )  # fmt: skip
     prune_versions(self.root, keep=self.config.keep_versions, newest=version)
     return final

@@ -147,10 +147,11 @@ def _leaf(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
 
 
 def write_version(
-  root: StorePath, model: nnx.Module, version: int, *, dtype: str | None
+  root: StorePath, model: nnx.Module, version: int, *, dtype: str | None, compress: bool = False
 ) -> epath.Path:
   """Writes `model`'s parameters as version `version` (cast to `dtype`; None keeps each param's
-  dtype), then moves LATEST to it; returns the version's directory.
+  dtype), then moves LATEST to it; returns the version's directory. `compress`: zstd chunks
+  (~20 % fewer bytes for bf16 weights, ~2x the write and read time on CPU; readers need nothing).
 
   Every process of a multi-host trainer calls this (Orbax writes each process's shards); only
   process 0 writes the config, the commit marker and the pointer. An existing directory of the
@@ -170,9 +171,8 @@ def write_version(
   if out_dtype is not None:
     arrays = jax.tree.map(lambda x: x.astype(out_dtype), arrays)  # on device, sharding kept
   nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(final / PARAMS, arrays)
-    ckpt.wait_until_finished()
+  with _checkpointer(compress) as ckpt:
+    ckpt.save(final / PARAMS, args=ocp.args.PyTreeSave(arrays))
   if lead:
     cfg: ModelConfig = model.cfg
     (final / CONFIG).write_text(json.dumps(to_hf_config(cfg), indent=2))
@@ -182,6 +182,10 @@ def write_version(
     pointer = {"version": version, "path": final.name, "time": time.time()}
     _write_atomic(root / LATEST, json.dumps(pointer))
   return final
+
+
+def _checkpointer(compress: bool) -> ocp.Checkpointer:
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress))
 
 
 def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.State:
@@ -203,7 +207,7 @@ def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.Sta
     cfg = from_hf_config(json.loads((path / CONFIG).read_text()))
   except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
     raise CheckpointError(f"cannot read the model config of weights version {path}: {e}") from e
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   targets = {} if shardings is None else dict(nnx.to_flat_state(shardings))
   device0 = SingleDeviceSharding(jax.devices()[0])
   flat = nnx.to_flat_state(state)
@@ -226,9 +230,14 @@ def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.Sta
     for key in p[:-1]:
       node = node.setdefault(str(key), {})
     node[str(p[-1])] = leaf
+  # Every array read straight onto its target sharding (each device reads only its slices)
+  # and cast to the target dtype on the way.
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   try:
-    with ocp.StandardCheckpointer() as ckpt:
-      restored = ckpt.restore(path / PARAMS, abstract)
+    with _checkpointer(False) as ckpt:
+      restored = ckpt.restore(
+        path / PARAMS, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)
+      )
   except (FileNotFoundError, KeyError, ValueError) as e:
     raise CheckpointError(f"cannot read weights version {path}: {e}") from e
   for p, var in flat:
@@ -242,8 +251,10 @@ class WeightStore:
   def __init__(self, root: StorePath) -> None:
     self.root = store_path(root)
 
-  def publish(self, model: nnx.Module, version: int, *, dtype: str | None = "bfloat16"):
-    return write_version(self.root, model, version, dtype=dtype)
+  def publish(
+    self, model: nnx.Module, version: int, *, dtype: str | None = "bfloat16", compress: bool = False
+  ) -> epath.Path:
+    return write_version(self.root, model, version, dtype=dtype, compress=compress)
 
   def latest(self) -> dict[str, Any] | None:
     return read_latest(self.root)
@@ -355,4 +366,3 @@ class DirectoryWeightWatcher:
 def _same_pointer(a: dict[str, Any], b: dict[str, Any] | None) -> bool:
   keys = ("version", "path", "time")
   return b is not None and all(a.get(k) == b.get(k) for k in keys)
-

@@ -54,7 +54,9 @@ def one_group(seed: int = 0) -> Group:
 
 def bf16(tree):
   """What a bf16 store hands a float32 server: each weight rounded to bf16."""
-  return jax.tree.map(lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(x.dtype)), tree)
+  return jax.tree.map(
+    lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(x.dtype)), tree
+  )
 
 
 def leaves_equal(a, b) -> bool:

@@ -93,7 +93,7 @@ def test_each_server_reads_into_its_own_sharding(tmp_path):
   on_one = store.load(5, jax.tree.map(lambda _: one, state))
   assert all(v.get_value().sharding == one for _, v in nnx.to_flat_state(on_one))
   with pytest.raises(CheckpointError, match="has shape"):
-    bad = jax.tree.map(lambda x: jax.ShapeDtypeStruct((3,) + x.shape, x.dtype), state)
+    bad = jax.tree.map(lambda x: jax.ShapeDtypeStruct((3, *x.shape), x.dtype), state)
     store.load(5, bad)
 
 
@@ -109,13 +109,15 @@ def test_a_half_written_version_is_never_read(tmp_path, caplog):
   (root / "v00000003" / "params").mkdir(parents=True)  # and one that stopped early
 
   class Sink:
-    updates: list[int] = []
+    def __init__(self) -> None:
+      self.updates: list[int] = []
 
     def update_params(self, params, version, timeout=0.0, *, recompute=None) -> float:
       self.updates.append(version)
       return 0.0
 
-  watcher = wd.DirectoryWeightWatcher(root, Sink())
+  sink = Sink()
+  watcher = wd.DirectoryWeightWatcher(root, sink)
   assert watcher.poll_once() == 1 and watcher.poll_once() is None
   with caplog.at_level(logging.WARNING, logger=wd.__name__):
     assert store.versions() == [1]
@@ -126,7 +128,7 @@ def test_a_half_written_version_is_never_read(tmp_path, caplog):
   (root / wd.LATEST).write_text(json.dumps({"version": 2, "path": "v00000002", "time": 9.0}))
   with pytest.raises(CheckpointError, match="half-written"):
     watcher.poll_once()
-  assert watcher.version == 1 and Sink.updates == [1]
+  assert watcher.version == 1 and sink.updates == [1]
   store.publish(model(seed=4), 4)
   store.prune(keep=4, newest=4)  # v2 and v3 are within keep=4, but abandoned: removed
   assert sorted(p.name for p in root.iterdir()) == [wd.LATEST, "v00000001", "v00000004"]
@@ -145,7 +147,7 @@ def test_the_pointer_is_replaced_atomically(tmp_path, monkeypatch):
     while not done.is_set():
       try:
         seen.append(json.loads(path.read_text())["version"])
-      except Exception as e:  # noqa: BLE001 -- any failure is what the test looks for
+      except Exception as e:  # any failure is what the test looks for
         errors.append(repr(e))
 
   reader = threading.Thread(target=read)
@@ -157,7 +159,8 @@ def test_the_pointer_is_replaced_atomically(tmp_path, monkeypatch):
     done.set()
     reader.join(30)
   assert errors == [] and len(seen) > 10
-  assert seen == sorted(seen) and seen[-1] == 300
+  assert seen == sorted(seen) and set(seen) <= set(range(301)) and len(set(seen)) >= 2
+  assert wd.read_latest(tmp_path)["version"] == 300
 
   def crash(*a):
     raise OSError("disk gone")
@@ -207,7 +210,9 @@ def test_a_gs_url_is_routed_through_epath(tmp_path):
     return fn
 
   root = wd.store_path("gs://bucket/run/weights")
-  assert os.fspath(root) == "gs://bucket/run/weights" and wd.version_dir(root, 7).name == "v00000007"
+  assert (
+    os.fspath(root) == "gs://bucket/run/weights" and wd.version_dir(root, 7).name == "v00000007"
+  )
   (local / "run" / "weights" / "v00000007").mkdir(parents=True)
   (local / "run" / "weights" / "v00000008").mkdir(parents=True)
   names = ("open", "exists", "isdir", "listdir", "glob", "mkdir", "makedirs", "remove", "stat")
