@@ -73,7 +73,7 @@ def nbytes(tree) -> int:
 
 def main() -> dict:
   model = transformer.Transformer(CONFIG, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model)
+  _, params = nnx.split(model)
   engine = Engine.from_model(
     model, Tokenizer.qwen2(),
     EngineConfig(max_slots=1, max_seq_len=64, prefill_buckets=(64,), decode_rows=(1,)),

@@ -25,6 +25,7 @@ host without a store keeps the in-process path (`rl.weight_sync.InProcessWeightS
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -166,6 +167,7 @@ def write_version(
       (final / COMMITTED).unlink(missing_ok=True)  # readers refuse it from here on
       final.rmtree()
     final.mkdir(parents=True)
+  _barrier(f"weights_dir_prepare_v{version}")  # nobody writes into a directory being replaced
   out_dtype = None if dtype is None else jnp.dtype(dtype)
   arrays = _tree(nnx.split(model)[1])
   if out_dtype is not None:
@@ -181,7 +183,16 @@ def write_version(
     (final / COMMITTED).write_text(json.dumps(marker))
     pointer = {"version": version, "path": final.name, "time": time.time()}
     _write_atomic(root / LATEST, json.dumps(pointer))
+  _barrier(f"weights_dir_commit_v{version}")  # every process returns once the version is live
   return final
+
+
+_barriers = itertools.count()  # every process publishes in the same order: the same ids
+
+
+def _barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    ocp.multihost.sync_global_processes(f"{name}_{next(_barriers)}")
 
 
 def _checkpointer(compress: bool) -> ocp.Checkpointer:

@@ -225,3 +225,61 @@ def test_a_gs_url_is_routed_through_epath(tmp_path):
   assert json.loads((local / "run" / "weights" / wd.LATEST).read_text())["version"] == 7
   assert not (local / "run" / "weights" / (wd.LATEST + ".tmp")).exists()
   assert calls and all(c.startswith("gs://bucket/run/weights") for c in calls)
+
+
+def _publish_from_process(process_id: int, port: int, root: str) -> None:
+  """One of two trainer processes (4 CPU devices each) publishing version 2 of `model(seed=3)`
+  sharded fsdp=8 over both: each process holds, and writes, only its own shards."""
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+    initialization_timeout=60,
+  )  # fmt: skip
+  graphdef, state = nnx.split(model(seed=3))
+  shardings = dict(nnx.to_flat_state(sharding_lib.param_shardings(state, sharding_lib.make_mesh())))
+  flat_state = nnx.to_flat_state(state)
+  for p, var in flat_state:
+    host = np.asarray(var.get_value())
+    var.set_value(jax.make_array_from_callback(host.shape, shardings[p], lambda i, h=host: h[i]))
+  assert len(jax.local_devices()) == 4 and len(jax.devices()) == 8
+  wd.write_version(root, nnx.merge(graphdef, nnx.from_flat_state(flat_state)), 2, dtype="bfloat16")
+  jax.distributed.shutdown()
+
+
+@pytest.mark.slow  # two jax.distributed processes: ~100 s on 2 shared cores
+def test_two_trainer_processes_write_their_own_shards(tmp_path):
+  """A multi-host trainer (2 processes x 4 devices over jax.distributed on 127.0.0.1) publishes
+  without gathering: each process writes its own shards, process 0 the marker and pointer; a
+  server with all 8 devices reads the version into its tensor-parallel sharding."""
+  import socket
+  import subprocess
+  import sys
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}  # fmt: skip
+  code = "from tests.serving.test_weights_dir import _publish_from_process as f; "
+  procs = []
+  for i in range(2):
+    argv = [sys.executable, "-c", code + f"f({i}, {port}, {str(tmp_path / 'w')!r})"]
+    procs.append(
+      subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    )
+  try:
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+  params = tmp_path / "w" / "v00000002" / "params"
+  assert (params / "ocdbt.process_0").is_dir() and (params / "ocdbt.process_1").is_dir()
+  store = wd.WeightStore(tmp_path / "w")
+  assert store.latest()["version"] == 2 and store.versions() == [2]
+  _, state = nnx.split(model(seed=3))
+  want = sharding_lib.param_shardings(state, sharding_lib.make_mesh(fsdp=2, tensor=4))
+  got, ref, want_flat = store.load(2, want), rounded(state), dict(nnx.to_flat_state(want))
+  for p, v in nnx.to_flat_state(got):
+    assert v.get_value().sharding == want_flat[p] and np.array_equal(
+      np.asarray(v.get_value()), ref[p]
+    )
