@@ -245,7 +245,7 @@ def _publish_from_process(process_id: int, port: int, root: str) -> None:
   jax.distributed.shutdown()
 
 
-@pytest.mark.slow  # two jax.distributed processes: ~100 s on 2 shared cores
+@pytest.mark.slow  # two jax.distributed processes: 40-100 s on 2 shared cores
 def test_two_trainer_processes_write_their_own_shards(tmp_path):
   """A multi-host trainer (2 processes x 4 devices over jax.distributed on 127.0.0.1) publishes
   without gathering: each process writes its own shards, process 0 the marker and pointer; a
