@@ -330,6 +330,8 @@ class DirectoryWeightWatcher:
     self.version = version
     self.poll_s = poll_s
     self.timeout_s = timeout_s
+    if shardings is not None:  # keep only where the weights go, not the arrays passed in
+      shardings = jax.tree.map(_placement, shardings)
     self._load = load or (lambda path: load_version(path, shardings))
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -372,6 +374,12 @@ class DirectoryWeightWatcher:
         self.poll_once()
       except Exception:  # a torn, uncommitted or pruned version: try again at the next poll
         log.exception("weight watcher: loading from %s failed", self.root)
+
+
+def _placement(x: Any) -> Any:
+  if isinstance(x, jax.sharding.Sharding):
+    return x
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def _same_pointer(a: dict[str, Any], b: dict[str, Any] | None) -> bool:

@@ -135,6 +135,33 @@ def test_a_half_written_version_is_never_read(tmp_path, caplog):
   assert watcher.poll_once() == 4
 
 
+def test_the_watcher_loads_into_the_servers_own_params(tmp_path):
+  """serve-model hands the watcher its engine's params: every version lands with their sharding
+  and dtype (here bf16 on device 5), whatever the trainer's."""
+  m = model(seed=6)
+  _, state = nnx.split(m)
+  five = jax.sharding.SingleDeviceSharding(jax.devices()[5])
+  engine_params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.bfloat16), state), five)
+  store = wd.WeightStore(tmp_path)
+  store.publish(m, 1, dtype=None)  # float32 in the store
+
+  class Sink:
+    params = None
+
+    def update_params(self, params, version, timeout=0.0, *, recompute=None) -> float:
+      self.params = params
+      return 0.0
+
+  sink = Sink()
+  watcher = wd.DirectoryWeightWatcher(tmp_path, sink, shardings=engine_params)
+  del engine_params
+  assert watcher.poll_once() == 1
+  for p, v in nnx.to_flat_state(sink.params):
+    x = v.get_value()
+    assert x.sharding == five and x.dtype == jnp.bfloat16, p
+    assert np.array_equal(np.asarray(x), np.asarray(flat(state)[p].astype(jnp.bfloat16))), p
+
+
 def test_the_pointer_is_replaced_atomically(tmp_path, monkeypatch):
   """A reader polling while the writer moves the pointer 300 times sees only whole pointers, in
   order; a writer that dies mid-write leaves the previous pointer in place."""
