@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Protocol
 
+import jax
 import jax.numpy as jnp
 from etils import epath
 from flax import nnx
@@ -132,13 +133,17 @@ class DirectoryWeightPublisher:
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
     t0 = time.perf_counter()
-    path = self.write(learner.params_copy(), learner.version)
+    params = learner.params_copy()
+    path = self.write(params, learner.version)
+    total = time.perf_counter() - t0
     if self.staleness is not None:
       # Servers stamp tokens with the version they actually run, so staleness measured from
       # token versions stays exact while they catch up.
       self.staleness.set_version(learner.version)
-    log.info("published version %d to %s", learner.version, path)
-    return {"weight_sync/total_s": time.perf_counter() - t0}
+    dtype = self.config.dtype
+    gb = sum(x.size * jnp.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(params)) / 1e9
+    log.info("published version %d to %s: %.3f GB in %.2f s", learner.version, path, gb, total)
+    return {"weight_sync/total_s": total, "weight_sync/gb": gb, "weight_sync/s_per_gb": total / gb}
 
   def write(self, params: nnx.State, version: int) -> epath.Path:
     final = write_version(

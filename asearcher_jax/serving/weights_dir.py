@@ -337,6 +337,7 @@ class DirectoryWeightWatcher:
     self._thread: threading.Thread | None = None
     self.loaded: list[int] = []
     self.pointer: dict[str, Any] | None = None  # the LATEST pointer last loaded
+    self.last_load: dict[str, float] = {}  # version, load_s, gb (as the server holds them)
 
   def poll_once(self) -> int | None:
     """Loads and applies the pointed-to version if the pointer moved; returns it, else None."""
@@ -344,13 +345,17 @@ class DirectoryWeightWatcher:
     if latest is None or _same_pointer(latest, self.pointer):
       return None
     version = int(latest["version"])
+    t0 = time.perf_counter()
     params = self._load(self.root / latest["path"])
+    load_s = time.perf_counter() - t0
     reset = True if version <= self.version else None  # None: the driver's kv_on_update
     self.sink.update_params(params, version, timeout=self.timeout_s, recompute=reset)
     self.version = version
     self.pointer = latest
     self.loaded.append(version)
-    log.info("loaded version %d from %s", version, self.root / latest["path"])
+    gb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 1e9
+    self.last_load = {"version": version, "load_s": load_s, "gb": gb}
+    log.info("loaded version %d from %s: %.3f GB in %.2f s", version, latest["path"], gb, load_s)
     return version
 
   def status(self) -> dict[str, Any] | None:

@@ -123,10 +123,16 @@ def test_directory_publish_and_watch(tmp_path):
   assert watcher.poll_once() is None
 
   learner.train_step([one_group(0)])
-  publisher.publish(learner)
+  metrics = publisher.publish(learner)
   assert staleness.version == 1
+  n = sum(x.size for x in jax.tree.leaves(learner.params))
+  assert metrics["weight_sync/gb"] == pytest.approx(2 * n / 1e9)  # bf16
+  assert metrics["weight_sync/s_per_gb"] == pytest.approx(
+    metrics["weight_sync/total_s"] / (2 * n / 1e9)
+  )
   assert read_latest(tmp_path / "weights")["version"] == 1
   assert watcher.poll_once() == 1 and watcher.poll_once() is None  # applied once
+  assert watcher.last_load["gb"] == pytest.approx(4 * n / 1e9) and watcher.last_load["load_s"] > 0
   params, version = sink.updates[-1]
   assert version == 1 and leaves_equal(params, bf16(learner.params))
   assert not leaves_equal(params, learner.params)  # published as bf16, loaded as float32
