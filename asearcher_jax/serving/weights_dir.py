@@ -178,7 +178,7 @@ def write_version(
   if lead:
     cfg: ModelConfig = model.cfg
     (final / CONFIG).write_text(json.dumps(to_hf_config(cfg), indent=2))
-    stored = "mixed" if out_dtype is None else str(out_dtype)
+    stored = ",".join(sorted({str(x.dtype) for x in jax.tree.leaves(arrays)}))
     marker = {"version": version, "dtype": stored, "bytes": int(nbytes), "time": time.time()}
     (final / COMMITTED).write_text(json.dumps(marker))
     pointer = {"version": version, "path": final.name, "time": time.time()}

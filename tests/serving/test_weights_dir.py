@@ -47,7 +47,7 @@ def test_round_trip_bf16_and_float32(tmp_path):
   store32.publish(m, 1, dtype=None)
   meta16 = json.loads((tmp_path / "bf16" / "v00000001" / wd.COMMITTED).read_text())
   meta32 = json.loads((tmp_path / "f32" / "v00000001" / wd.COMMITTED).read_text())
-  assert meta16["dtype"] == "bfloat16" and meta32["dtype"] == "mixed"
+  assert meta16["dtype"] == "bfloat16" and meta32["dtype"] == "float32"
   assert meta32["bytes"] == 2 * meta16["bytes"] == sum(x.nbytes for x in flat(state).values())
   # No target: the config's dtype (float32) on device 0, holding the bf16 values.
   got16, got32 = flat(store16.load(1)), flat(store32.load(1))
