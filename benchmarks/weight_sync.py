@@ -10,6 +10,8 @@ Each figure is the median of 3 repeats after one warm-up:
     `serve-model` watcher does, then `update_params` on a real driver. Per GB of bytes stored.
   * in_process_swap: `rl.weight_sync.InProcessWeightSync.publish` (device copy of the params +
     the driver's swap between decode steps; nothing in flight). Per GB of float32 params.
+  * store_zstd: the same publish and load with `compress=True`, per GB of bf16 params; with the
+    bytes on disk of both.
   * safetensors_f32: the format the store replaced (full float32 HF safetensors per version via
     `model.hf_io`), publish and load, for reference. Per GB written.
 GB = 1e9 bytes. The last line is one JSON object.
@@ -102,6 +104,17 @@ def main() -> dict:
 
       load_s = timed(load)
 
+      zroot = os.path.join(tmp, "zstd")
+      zpublish_s = timed(
+        lambda i: wd.write_version(zroot, model, i + 1, dtype="bfloat16", compress=True)
+      )
+      zdir = wd.store_path(zroot) / wd.read_latest(zroot)["path"]
+      zload_s = timed(lambda i: driver.update_params(wd.load_version(zdir, target), 300 + i))
+      z_gb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(zdir) for f in fs) / GB
+      plain_gb = sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(wd.store_path(root) / latest["path"]) for f in fs
+      ) / GB  # fmt: skip
+
       sync = InProcessWeightSync(driver, None, WeightSyncConfig())
       source = Source(params)
 
@@ -123,6 +136,10 @@ def main() -> dict:
     "store_publish_s_per_gb": round(publish_s / stored_gb, 3),
     "store_load_s": round(load_s, 3),
     "store_load_s_per_gb": round(load_s / stored_gb, 3),
+    "store_disk_gb": round(plain_gb, 3),
+    "store_zstd_disk_gb": round(z_gb, 3),
+    "store_zstd_publish_s_per_gb": round(zpublish_s / stored_gb, 3),
+    "store_zstd_load_s_per_gb": round(zload_s / stored_gb, 3),
     "in_process_swap_s": round(swap_s, 3),
     "in_process_swap_s_per_gb": round(swap_s / (param_bytes / GB), 3),
     "safetensors_f32_gb": round(hf_gb, 3),
