@@ -157,8 +157,9 @@ def build_run(
       timeout_s=config.driver.request_timeout_s, retries=6, max_backoff_s=8.0
     )
     remote = RemoteEngines(
-      remote_cfg.address_files, remote_cfg.weights_dir, graphdef, staleness, client=client_cfg
-    )
+      remote_cfg.address_files, remote_cfg.weights_dir, graphdef, staleness,
+      client=client_cfg, sync=remote_cfg.sync,
+    )  # fmt: skip
   replay = ReplayQueue(
     config.replay_config(str(run / "replay")), on_discard=lambda g: staleness.on_discard()
   )
