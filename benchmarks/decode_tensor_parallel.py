@@ -1,9 +1,10 @@
 """Decode throughput of the engine on one device vs tensor-parallel over 4, side by side.
 
-Runs with no arguments. Without an accelerator it forces 8 fake CPU devices (they share the host's
-cores, so tensor parallelism cannot speed anything up here: the figure records what the collectives
-cost on CPU, and that the sharded engine decodes the same greedy tokens and logprobs). On a slice
-with >= 4 chips the same script measures the real speed-up. The model is bench-30m (8 heads, 4 KV
+Runs with no arguments. Without an accelerator it forces 8 fake CPU devices: they share the host's
+cores, so the ratio says what the split costs or gains on CPU (four device threads against one
+device's intra-op threads), not what a slice gains; what it does show is that the sharded engine
+decodes the same greedy tokens and logprobs. On a slice with >= 4 chips the same script measures
+the real speed-up. The model is bench-30m (8 heads, 4 KV
 heads, so attention, the MLP, the vocabulary and the KV cache all split four ways), float32.
 Prints one JSON object as its last line.
 """

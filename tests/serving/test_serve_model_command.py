@@ -139,9 +139,11 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
   return ids[len(prompt) :]
 
 
-async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, tokenizer):
+@pytest.mark.parametrize("tensor", [1, pytest.param(4, marks=pytest.mark.slow)])
+async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, tokenizer, tensor):
   """Disaggregated RL: the server compiles before announcing itself, then swaps in every newer
-  version written to weights_dir; tokens carry the version and come from the new weights."""
+  version written to weights_dir; tokens carry the version and come from the new weights. With
+  tensor = 4 each version lands in the engine's shardings over 4 of the 8 fake devices."""
   from flax import nnx
 
   from asearcher_jax.model import presets, transformer
@@ -153,6 +155,7 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
     f"--gin_param=serve_model.serve.weights_dir='{weights}'",
     "--gin_param=serve_model.serve.weights_poll_s=0.1",
     "--gin_param=serve_model.serve.warmup_modes=('greedy',)",
+    f"--gin_param=mesh.ServingMeshConfig.tensor={tensor}",
   )
   try:
     await asyncio.to_thread(_wait_for, addr, proc, 300)
@@ -174,6 +177,7 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
         await asyncio.sleep(0.1)
       after = await asyncio.wait_for(client.generate(prompt, greedy, 6, stop_token_ids=()), T)
       assert after.versions == [3] * 6
+      assert (await asyncio.wait_for(client.health(), T))["mesh"]["tensor"] == tensor
       assert after.tokens == _greedy(trained, prompt, 6)
   finally:
     proc.send_signal(signal.SIGTERM)
