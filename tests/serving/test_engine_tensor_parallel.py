@@ -5,6 +5,8 @@ it in any layout (host arrays, a learner's fsdp shards, a checkpoint) landing in
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 
 import jax
 import numpy as np
@@ -16,6 +18,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model import hf_io, transformer
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.loading import load_policy
+from asearcher_jax.serving import engine_steps
 from asearcher_jax.serving.driver import Driver
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.engine_steps import result_logprobs
@@ -83,6 +86,31 @@ def test_tensor_parallel_engine_matches_one_device(tokenizer, num_kv_heads):
   assert kv_spec == (
     PartitionSpec(None, "tensor") if num_kv_heads == 4 else PartitionSpec(None, None)
   )
+
+
+_COLLECTIVE = re.compile(
+  r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
+)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_a_sharded_decode_step_moves_activations_never_weights(tokenizer, num_kv_heads):
+  """The compiled decode step of the tensor = 4 engine: every collective carries less data than
+  the smallest split weight (Megatron's all-reduces of [slots, hidden] activations, small
+  sampling reductions), so no chip ever gathers another chip's weights or cache."""
+  eng = _engine(transformer.Transformer(_cfg(num_kv_heads), rngs=nnx.Rngs(0)), tokenizer, 4)
+  params, state = eng.load_params(), eng.init_decode_state()
+  hlo = engine_steps.GENERATE.lower(eng._graphdef, 64, "greedy", params, state).compile().as_text()
+  sizes = []
+  for line in hlo.splitlines():
+    op = _COLLECTIVE.search(line)
+    if op:
+      shapes = re.findall(r"[a-z]+\d*\[([\d,]*)\]", line[: op.start()])
+      sizes += [math.prod(int(d) for d in s.split(",") if d) for s in shapes]
+  assert any(_COLLECTIVE.search(line) and "all-reduce" in line for line in hlo.splitlines())
+  split = [v.get_value().size for _, v in nnx.to_flat_state(params.state)
+           if "tensor" in str(v.get_value().sharding.spec)]  # fmt: skip
+  assert sizes and max(sizes) < min(split), (max(sizes), min(split))
 
 
 async def test_weight_update_in_any_layout_lands_in_the_engine_shardings(tokenizer):
