@@ -113,6 +113,18 @@ def test_serve_model_bad_checkpoint_is_a_one_line_error(tmp_path):
   assert "asearcher serve-model: error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_serve_model_on_more_chips_than_visible_is_a_one_line_error():
+  proc = subprocess.run(
+    [sys.executable, "-m", "asearcher_jax.main", "serve-model", *SMALL_ENGINE,
+     "--gin_param=mesh.ServingMeshConfig.tensor=16", "--gin_param=serve_model.serve.serve_seconds=1"],
+    cwd=REPO, capture_output=True, text=True, timeout=T,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )  # fmt: skip
+  assert proc.returncode == 1, proc.stderr
+  assert "ServingMeshConfig.tensor=16 needs 16 devices, 8 are visible" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
 def test_serve_model_on_a_taken_port_is_a_one_line_error():
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))
