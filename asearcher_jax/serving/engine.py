@@ -366,6 +366,17 @@ class Engine(EngineContract):
     prefix (the driver parks finished requests' slots this way for prefix reuse)."""
     return steps.RELEASE(decode_state, jnp.asarray(slot, jnp.int32))
 
+  def get_prefix_destination_sharding(self) -> Prefix:
+    """Where a prefix lands on this engine (JetStream's disaggregated prefill -> generate
+    transfer): its cache split like the decode state's, the scalars replicated."""
+    shape = (1, 1, self.model_cfg.num_kv_heads, self.model_cfg.resolved_head_dim)
+    kv = cache_sharding(self._mesh, self._rules, shape)
+    n = self.model_cfg.num_layers
+    rep = self._replicated
+    return Prefix(cache=KVCache(k=(kv,) * n, v=(kv,) * n), true_length=rep, next_token=rep,
+                  next_logprob=rep, version=rep, key=rep, temperature=rep, top_p=rep,
+                  top_k=rep)  # fmt: skip
+
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     """An empty decode state, created in place on the mesh: the KV cache split by KV heads
     (no full copy on one device first), the per-slot arrays replicated."""

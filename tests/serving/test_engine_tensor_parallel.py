@@ -111,6 +111,11 @@ def test_a_sharded_decode_step_moves_activations_never_weights(tokenizer, num_kv
   split = [v.get_value().size for _, v in nnx.to_flat_state(params.state)
            if "tensor" in str(v.get_value().sharding.spec)]  # fmt: skip
   assert sizes and max(sizes) < min(split), (max(sizes), min(split))
+  # A prefix moved to this engine (JetStream's disaggregated transfer) keeps the cache's split.
+  padded, n = eng.pad(PROMPTS[0])
+  moved = jax.device_put(eng.prefill(params=params, padded_tokens=padded, true_length=n),
+                         eng.get_prefix_destination_sharding())  # fmt: skip
+  assert moved.cache.k[0].sharding.is_equivalent_to(state.cache.k[0].sharding, 4)
 
 
 async def test_weight_update_in_any_layout_lands_in_the_engine_shardings(tokenizer):
