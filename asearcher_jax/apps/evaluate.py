@@ -155,9 +155,12 @@ def _generation_client(g: Generation) -> tuple[Any, Tokenizer, dict[str, Any], A
   if generation == "engine":
     from asearcher_jax.serving.driver import Driver, DriverConfig
     from asearcher_jax.serving.engine import Engine, EngineConfig
+    from asearcher_jax.serving.mesh import engine_layout
 
-    policy, tokenizer, what = load_policy(model_dir, p.model, tokenizer_dir, p.seed)
-    eng = Engine.from_model(policy, tokenizer, g.engine or EngineConfig())
+    ecfg = g.engine or EngineConfig()
+    layout = lambda cfg: engine_layout(cfg, ecfg.mesh)  # noqa: E731 (weights into their shards)
+    policy, tokenizer, what = load_policy(model_dir, p.model, tokenizer_dir, p.seed, layout=layout)
+    eng = Engine.from_model(policy, tokenizer, ecfg)
     drv = Driver(eng, g.driver or DriverConfig())
     identity = {"generation": "engine", "model_dir": model_dir, "model": what}
     return drv, tokenizer, identity, drv.close

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model.loading import PolicyConfig, load_policy
 from asearcher_jax.serving.driver import Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
+from asearcher_jax.serving.mesh import engine_layout
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
 from asearcher_jax.serving.weights_dir import DirectoryWeightWatcher
 
@@ -73,7 +75,8 @@ def serve(
 
   Args:
     policy: the checkpoint (or random architecture and seed) and tokenizer to serve.
-    engine: slots, context length and prefill buckets.
+    engine: slots, context length, prefill buckets and the engine's mesh (`engine.mesh.tensor`:
+      chips the policy is split over).
     driver: the RL driver's settings (request timeout, admission per step).
     api: the OpenAI facade: host (loopback by default, "0.0.0.0" only on a trusted network),
       port (0: a free one), the model id it reports, request timeout and body limits.
@@ -97,11 +100,14 @@ def serve(
     raise AsearcherError(f"unknown warmup_modes {sorted(bad)}: use greedy, sample, truncate")
   if cpus:
     pin_cpus(cpus)
+  # Weights are read (or initialised) straight into the engine's shardings on its mesh.
+  layout = functools.partial(engine_layout, mesh_cfg=engine.mesh)
   module, tokenizer, what = load_policy(
-    policy.model_dir, policy.model, policy.tokenizer_dir, policy.seed
+    policy.model_dir, policy.model, policy.tokenizer_dir, policy.seed, layout=layout
   )
   eng = Engine.from_model(module, tokenizer, engine)
-  log.info("serving %s: %d slots x %d tokens", what, engine.max_slots, engine.max_seq_len)
+  log.info("serving %s: %d slots x %d tokens on %s", what, engine.max_slots, engine.max_seq_len,
+           _mesh_text(eng))  # fmt: skip
   if warmup_modes:
     log.info("compiled the engine in %.1f s", eng.warmup(modes=tuple(warmup_modes)))
   asyncio.run(
@@ -109,6 +115,11 @@ def serve(
            weights_poll_s)
   )  # fmt: skip
   return 0
+
+
+def _mesh_text(eng: Engine) -> str:
+  platform = next(iter(eng.mesh.devices.flat)).platform
+  return f"{eng.mesh.size} {platform} device(s) (tensor={eng.mesh.shape['tensor']})"
 
 
 async def _serve(
@@ -142,10 +153,12 @@ async def _serve(
       await asyncio.to_thread(driver.close)
       raise AsearcherError(f"cannot load the published weights in {weights_dir}: {e}") from e
     watcher.start()
-  api = OpenAIServer(
-    driver, api_config,
-    health_extra=None if watcher is None else lambda: {"weights": watcher.status()},
-  )  # fmt: skip
+  mesh = {"tensor": eng.mesh.shape["tensor"], "devices": [d.id for d in eng.mesh.devices.flat]}
+
+  def health_extra() -> dict:
+    return {"mesh": mesh, **({} if watcher is None else {"weights": watcher.status()})}
+
+  api = OpenAIServer(driver, api_config, health_extra=health_extra)
   grpc_server = None
   addr_path = Path(address_file) if address_file else None
   t0 = time.perf_counter()

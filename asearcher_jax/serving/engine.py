@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -23,12 +24,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.kv_cache import KVCache
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine_steps import DecodeState, Prefix, VersionedParams
 from asearcher_jax.serving.jetstream import EngineContract, engine_api
+from asearcher_jax.serving.mesh import (
+  ServingMeshConfig,
+  cache_sharding,
+  engine_rules,
+  make_engine_mesh,
+  replicated,
+)
 from asearcher_jax.serving.sampling import SamplingMode, mode_for
 from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
@@ -50,6 +59,7 @@ class EngineConfig:
     engine often decodes a handful of live slots (measured: 7 of 48 on average in
     benchmarks/async_vs_sync.py), and a full step costs 4-7x a step over 8 rows. Each size is
     one more compiled decode step per window and mode; () always decodes every slot.
+  mesh: the engine's devices (tensor parallelism over heads, MLP and KV cache; see mesh.py).
   """
 
   max_slots: int = 8
@@ -57,6 +67,7 @@ class EngineConfig:
   prefill_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
   suffix_buckets: tuple[int, ...] = (32, 64, 128, 256)
   decode_rows: tuple[int, ...] = (8, 16)
+  mesh: ServingMeshConfig = dataclasses.field(default_factory=ServingMeshConfig)
 
   def __post_init__(self):
     if self.max_slots < 1 or self.max_seq_len < 2:
@@ -79,7 +90,11 @@ class EngineConfig:
 
 
 class Engine(EngineContract):
-  """Our Transformer behind JetStream's Engine API (the jitted steps are in engine_steps.py)."""
+  """Our Transformer behind JetStream's Engine API (the jitted steps are in engine_steps.py).
+
+  Runs on its own mesh (`cfg.mesh`, or `mesh`: axes data, fsdp, tensor with data = fsdp = 1):
+  weights and the KV cache live in the shardings mesh.py describes, and the jitted steps follow
+  them (GSPMD inserts the collectives), so the same steps serve one chip or a slice."""
 
   def __init__(
     self,
@@ -96,8 +111,14 @@ class Engine(EngineContract):
     self.cfg = cfg
     self.tokenizer = tokenizer
     self._graphdef = graphdef
-    self._initial = VersionedParams(state=params, version=jnp.asarray(version, jnp.int32))
-    self._mesh = mesh or jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    self._mesh = mesh or make_engine_mesh(cfg.mesh)
+    shape = dict(self._mesh.shape)
+    if tuple(shape) != sharding_lib.MESH_AXES or self._mesh.size != shape["tensor"]:
+      raise ValueError(f"an engine mesh has axes data=1, fsdp=1, tensor; got {self._mesh.shape}")
+    self._rules = engine_rules(model_cfg, self._mesh.shape["tensor"])
+    # Where every weight lives; any params given to the engine are placed here first.
+    self.param_shardings = sharding_lib.param_shardings(params, self._mesh, self._rules)
+    self._initial = self.versioned(params, version)
 
   @classmethod
   def from_model(
@@ -155,7 +176,17 @@ class Engine(EngineContract):
     return self._initial
 
   def versioned(self, params: nnx.State, version: int) -> VersionedParams:
-    return VersionedParams(state=params, version=jnp.asarray(version, jnp.int32))
+    """`params` placed into the engine's shardings, with their version. Weights arrive in any
+    layout (host arrays from a weights store, a learner's fsdp shards, one device): each leaf
+    moves to where the engine computes with it, and leaves already there stay (no copy)."""
+    state = jax.device_put(params, self.param_shardings)
+    return VersionedParams(
+      state=state, version=jax.device_put(jnp.int32(version), self._replicated)
+    )
+
+  @property
+  def _replicated(self) -> jax.sharding.NamedSharding:
+    return replicated(self._mesh)
 
   def bucket_for(self, length: int) -> int:
     buckets = self.cfg.buckets
@@ -335,15 +366,36 @@ class Engine(EngineContract):
     prefix (the driver parks finished requests' slots this way for prefix reuse)."""
     return steps.RELEASE(decode_state, jnp.asarray(slot, jnp.int32))
 
+  def get_prefix_destination_sharding(self) -> Prefix:
+    """Where a prefix lands on this engine (JetStream's disaggregated prefill -> generate
+    transfer): its cache split like the decode state's, the scalars replicated."""
+    shape = (1, 1, self.model_cfg.num_kv_heads, self.model_cfg.resolved_head_dim)
+    kv = cache_sharding(self._mesh, self._rules, shape)
+    n = self.model_cfg.num_layers
+    rep = self._replicated
+    return Prefix(cache=KVCache(k=(kv,) * n, v=(kv,) * n), true_length=rep, next_token=rep,
+                  next_logprob=rep, version=rep, key=rep, temperature=rep, top_p=rep,
+                  top_k=rep)  # fmt: skip
+
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
-    s = self.cfg.max_slots
-    return DecodeState(
-      cache=KVCache.init(self.model_cfg, batch=s, max_len=self.cfg.max_seq_len),
-      lengths=jnp.zeros((s,), jnp.int32),
-      next_tokens=jnp.zeros((s,), jnp.int32),
-      keys=jnp.zeros((s, 2), jnp.uint32),
-      temperature=jnp.zeros((s,), jnp.float32),
-      top_p=jnp.ones((s,), jnp.float32),
-      top_k=jnp.zeros((s,), jnp.int32),
-      active=jnp.zeros((s,), bool),
-    )
+    """An empty decode state, created in place on the mesh: the KV cache split by KV heads
+    (no full copy on one device first), the per-slot arrays replicated."""
+    make = functools.partial(_empty_state, self.model_cfg, self.cfg.max_slots, self.cfg.max_seq_len)
+    abstract = jax.eval_shape(make)
+    shardings = jax.tree.map(lambda _: self._replicated, abstract)
+    kv = cache_sharding(self._mesh, self._rules, abstract.cache.k[0].shape)
+    cache = KVCache(k=(kv,) * len(abstract.cache.k), v=(kv,) * len(abstract.cache.v))
+    return jax.jit(make, out_shardings=shardings.replace(cache=cache))()
+
+
+def _empty_state(model_cfg: ModelConfig, s: int, max_len: int) -> DecodeState:
+  return DecodeState(
+    cache=KVCache.init(model_cfg, batch=s, max_len=max_len),
+    lengths=jnp.zeros((s,), jnp.int32),
+    next_tokens=jnp.zeros((s,), jnp.int32),
+    keys=jnp.zeros((s, 2), jnp.uint32),
+    temperature=jnp.zeros((s,), jnp.float32),
+    top_p=jnp.ones((s,), jnp.float32),
+    top_k=jnp.zeros((s,), jnp.int32),
+    active=jnp.zeros((s,), bool),
+  )

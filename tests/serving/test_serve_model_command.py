@@ -113,6 +113,18 @@ def test_serve_model_bad_checkpoint_is_a_one_line_error(tmp_path):
   assert "asearcher serve-model: error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_serve_model_on_more_chips_than_visible_is_a_one_line_error():
+  proc = subprocess.run(
+    [sys.executable, "-m", "asearcher_jax.main", "serve-model", *SMALL_ENGINE,
+     "--gin_param=mesh.ServingMeshConfig.tensor=16", "--gin_param=serve_model.serve.serve_seconds=1"],
+    cwd=REPO, capture_output=True, text=True, timeout=T,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )  # fmt: skip
+  assert proc.returncode == 1, proc.stderr
+  assert "ServingMeshConfig.tensor=16 needs 16 devices, 8 are visible" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
 def test_serve_model_on_a_taken_port_is_a_one_line_error():
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))
@@ -139,9 +151,11 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
   return ids[len(prompt) :]
 
 
-async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, tokenizer):
+@pytest.mark.parametrize("tensor", [1, pytest.param(4, marks=pytest.mark.slow)])
+async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, tokenizer, tensor):
   """Disaggregated RL: the server compiles before announcing itself, then swaps in every newer
-  version written to weights_dir; tokens carry the version and come from the new weights."""
+  version written to weights_dir; tokens carry the version and come from the new weights. With
+  tensor = 4 each version lands in the engine's shardings over 4 of the 8 fake devices."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -155,6 +169,7 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
     f"--gin_param=serve_model.serve.weights_dir='{weights}'",
     "--gin_param=serve_model.serve.weights_poll_s=0.1",
     "--gin_param=serve_model.serve.warmup_modes=('greedy',)",
+    f"--gin_param=mesh.ServingMeshConfig.tensor={tensor}",
   )
   try:
     await asyncio.to_thread(_wait_for, addr, proc, 300)
@@ -176,6 +191,7 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
         await asyncio.sleep(0.1)
       after = await asyncio.wait_for(client.generate(prompt, greedy, 6, stop_token_ids=()), T)
       assert after.versions == [3] * 6
+      assert (await asyncio.wait_for(client.health(), T))["mesh"]["tensor"] == tensor
       # The store holds bf16 (the publisher's default); the float32 server runs those values.
       rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), params)
       assert after.tokens == _greedy(nnx.merge(graphdef, rounded), prompt, 6)
@@ -245,3 +261,68 @@ def test_serve_model_refuses_to_serve_its_init_when_the_published_weights_are_un
       serve_seconds=5,
     )
   assert not addr.exists()  # never announced
+
+
+# A float32 qwen3-tiny whose KV heads (4) and untied output head split over tensor = 4.
+TP_GIN = """
+from __gin__ import dynamic_registration
+from asearcher_jax.model import loading
+from asearcher_jax.model import presets
+
+include 'gin/runs/serve_model.gin'
+
+loading.PolicyConfig.model = @presets.model_config()
+presets.model_config.name = "qwen3-tiny"
+presets.model_config.num_kv_heads = 4
+presets.model_config.tie_word_embeddings = False
+presets.model_config.param_dtype = "float32"
+presets.model_config.dtype = "float32"
+"""
+
+
+@pytest.mark.slow
+async def test_serve_model_on_a_tensor_parallel_mesh_serves_what_one_device_does(tmp_path):
+  """`serve-model` with engine.mesh.tensor = 4 (of 8 fake devices) and with tensor = 1, asked the
+  same greedy completions over HTTP: same tokens, logprobs within 1e-4."""
+  gin_file = tmp_path / "tp.gin"
+  gin_file.write_text(TP_GIN)
+  procs, addrs = {}, {}
+  for t in (1, 4):
+    addrs[t] = tmp_path / f"tensor{t}.addr"
+    procs[t] = _start(
+      f"--gin_file={gin_file}",
+      f"--gin_param=mesh.ServingMeshConfig.tensor={t}",
+      "--gin_param=engine.EngineConfig.max_slots=4",
+      "--gin_param=openai_api.OpenAIServerConfig.port=0",
+      f"--gin_param=serve_model.serve.address_file='{addrs[t]}'",
+    )
+  body = {
+    "prompt": ["The capital of France is", "Search for the answer", [1, 2, 3, 4, 5, 6]],
+    "max_tokens": 10, "temperature": 0.0, "logprobs": 0,
+  }  # fmt: skip
+  config = RemoteClientConfig(timeout_s=T, retries=1, backoff_s=0.1)
+  answers, health = {}, {}
+  try:
+    for t in (1, 4):
+      await asyncio.to_thread(_wait_for, addrs[t], procs[t], 300)
+      async with RemoteGenerationClient(address_file=addrs[t], config=config) as client:
+        answers[t] = await asyncio.wait_for(client.post("/v1/completions", body), T)
+        health[t] = await asyncio.wait_for(client.health(), T)
+  finally:
+    outs = {}
+    for t, proc in procs.items():
+      proc.send_signal(signal.SIGTERM)
+      outs[t], _ = await asyncio.to_thread(proc.communicate, timeout=T)
+  assert all(p.returncode == 0 for p in procs.values()), outs
+  assert health[1]["mesh"] == {"tensor": 1, "devices": [0]}
+  assert health[4]["mesh"] == {"tensor": 4, "devices": [0, 1, 2, 3]}
+  assert "on 4 cpu device(s) (tensor=4)" in outs[4]
+  one, four = answers[1]["choices"], answers[4]["choices"]
+  assert len(one) == len(four) == 3
+  for a, b in zip(one, four, strict=True):
+    assert len(a["asearcher"]["token_ids"]) == 10
+    assert b["asearcher"]["token_ids"] == a["asearcher"]["token_ids"]
+    assert b["text"] == a["text"]
+    got, want = b["logprobs"]["token_logprobs"], a["logprobs"]["token_logprobs"]
+    assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-4, (got, want)
+  assert len({tok for c in one for tok in c["asearcher"]["token_ids"]}) > 3  # not degenerate
