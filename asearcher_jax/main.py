@@ -42,7 +42,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 GIN_SEARCH_PATHS = (Path.cwd(), _REPO_ROOT)
 
 # Libraries whose INFO/DEBUG chatter is not ours to show at the default level.
-QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "bm25s", "urllib3", "httpx", "filelock")
+QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "urllib3", "httpx", "filelock")
 
 
 def _resolve(target: str) -> Callable[..., object]:

@@ -35,6 +35,7 @@ from asearcher_jax.serving.driver import Driver, EngineError
 from asearcher_jax.serving.openai_protocol import (
   CHAT_FIELDS,
   COMPLETION_FIELDS,
+  Batch,
   Choice,
   Common,
   RequestError,
@@ -46,6 +47,7 @@ from asearcher_jax.serving.openai_protocol import (
   parse_prompts,
   usage,
 )
+from asearcher_jax.serving.request import prompt_problem
 from asearcher_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -93,22 +95,6 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
                    code: str | int | None = None) -> web.Response:  # fmt: skip
   body = {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
   return web.json_response(body, status=status)
-
-
-@dataclasses.dataclass
-class Batch:
-  """The generations of one request, started: one task per choice, prompt-major."""
-
-  common: Common
-  prompts: list[list[int]]  # per choice
-  caps: list[int]  # per choice: max new tokens
-  stop_ids: tuple[int, ...]
-  request_ids: list[str]
-  tasks: list[asyncio.Future]
-
-  def cancel(self) -> None:
-    for t in self.tasks:  # cancelling aborts the generation and frees its slot
-      t.cancel()
 
 
 class OpenAIServer:
@@ -206,15 +192,9 @@ class OpenAIServer:
     vocab = self.driver.engine.model_cfg.vocab_size
     caps = []
     for p in prompts:
-      if not p:
-        raise RequestError("empty prompt", param="prompt")
-      if min(p) < 0 or max(p) >= vocab:
-        raise RequestError(f"token ids must be in [0, {vocab})", param="prompt")
-      if len(p) >= limit:
-        raise RequestError(
-          f"prompt of {len(p)} tokens does not fit the context (max_seq_len={limit})",
-          param="prompt",
-        )
+      problem = prompt_problem(p, vocab_size=vocab, max_seq_len=limit)
+      if problem is not None:
+        raise RequestError(problem, param="prompt")
       asked = c.max_tokens or default_max or limit
       if (
         c.max_tokens

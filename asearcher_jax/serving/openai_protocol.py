@@ -7,6 +7,7 @@ piece is read on its own; nothing here touches the engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -72,6 +73,22 @@ class Common:
   stream: bool
   include_usage: bool  # stream_options.include_usage: a last chunk with the usage
   logprobs: bool  # report each token's logprob
+
+
+@dataclasses.dataclass
+class Batch:
+  """The generations of one request, started: one task per choice, prompt-major."""
+
+  common: Common
+  prompts: list[list[int]]  # per choice
+  caps: list[int]  # per choice: max new tokens
+  stop_ids: tuple[int, ...]
+  request_ids: list[str]
+  tasks: list[asyncio.Future]
+
+  def cancel(self) -> None:
+    for t in self.tasks:  # cancelling aborts the generation and frees its slot
+      t.cancel()
 
 
 def parse_logprobs(body: dict, chat: bool) -> tuple[bool, int]:

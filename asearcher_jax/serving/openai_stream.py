@@ -16,15 +16,26 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from asearcher_jax.serving.openai_protocol import RequestError, extension, usage
+from asearcher_jax.serving.driver import Driver
+from asearcher_jax.serving.openai_protocol import Batch, Choice, RequestError, extension, usage
 from asearcher_jax.serving.types import EngineError
+from asearcher_jax.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-  from asearcher_jax.serving.openai_api import Batch, OpenAIServer
+
+class OpenAIServer(Protocol):
+  """What streaming needs of `openai_api.OpenAIServer` (which imports this module)."""
+
+  driver: Driver
+  tokenizer: Tokenizer
+  config: Any
+
+  def choice(self, batch: Batch, i: int) -> Choice: ...
+  def chat_logprobs(self, ch: Choice, k: int) -> dict[str, Any]: ...
+  def completion_logprobs(self, ch: Choice, k: int) -> dict[str, Any]: ...
 
 
 def _partial_text(server: OpenAIServer, batch: Batch, i: int) -> str:

@@ -19,6 +19,18 @@ import numpy as np
 from asearcher_jax.serving.types import GenerationResult, SamplingParams, StopReason
 
 
+def prompt_problem(ids: Sequence[int], *, vocab_size: int, max_seq_len: int) -> str | None:
+  """Why a prompt cannot be served (empty, an id outside the vocabulary, too long), or None: the
+  one check every front door (OpenAI HTTP, JetStream gRPC) applies, with the same words."""
+  if not ids:
+    return "empty prompt"
+  if min(ids) < 0 or max(ids) >= vocab_size:
+    return f"token ids must be in [0, {vocab_size})"
+  if len(ids) >= max_seq_len:
+    return f"prompt of {len(ids)} tokens does not fit the context (max_seq_len={max_seq_len})"
+  return None
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
   """Attributes:
