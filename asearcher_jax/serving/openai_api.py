@@ -97,6 +97,18 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
   return web.json_response(body, status=status)
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable) -> web.StreamResponse:
+  """aiohttp's own error statuses (404 unknown path, 405 wrong method) in OpenAI's error shape."""
+  try:
+    return await handler(request)
+  except web.HTTPException as e:
+    if e.status < 400:
+      raise
+    return error_response(e.status, f"{e.reason}: {request.method} {request.path}",
+                          "invalid_request_error")  # fmt: skip
+
+
 class OpenAIServer:
   """Serves the facade over one Driver; `start()`/`stop()` for tests and the CLI alike."""
 
@@ -120,7 +132,7 @@ class OpenAIServer:
     self.requests = {"completions": 0, "chat": 0, "bad_request": 0, "busy": 0, "error": 0}
 
   def make_app(self) -> web.Application:
-    app = web.Application(client_max_size=self.config.max_body_bytes)
+    app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_json_errors])
     app.router.add_post("/v1/completions", self._completions)
     app.router.add_post("/v1/chat/completions", self._chat)
     app.router.add_get("/v1/models", self._models)

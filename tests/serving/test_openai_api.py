@@ -185,6 +185,10 @@ async def test_bad_chat_requests_oversized_bodies_and_health(api):
       health = await r.json()
     async with s.get(f"{url}/v1/models") as r:
       models = await r.json()
+    async with s.get(f"{url}/v1/completions") as r:  # aiohttp's own statuses are JSON too
+      assert r.status == 405 and "GET /v1/completions" in (await r.json())["error"]["message"]
+    async with s.post(f"{url}/v1/nowhere", json={}) as r:
+      assert r.status == 404 and (await r.json())["error"]["code"] == 404
   assert health["status"] == "ok" and health["requests"]["bad_request"] >= 5
   assert models["data"][0]["id"] == server.config.model_name
   assert models["data"][0]["max_model_len"] == MAX_SEQ_LEN

@@ -41,6 +41,7 @@ def test_index_command_builds_then_reuses(tmp_path: Path) -> None:
   first = _cli("index", "--gin_param=index.build_index.show_progress=False", env=env)
   assert first.returncode == 0, first.stderr
   assert "8113 passages" in first.stdout and "built in" in first.stdout
+  assert "DEBUG" not in first.stderr  # bm25s's own logger follows the default level
   index_dir = tmp_path / "home" / "index" / "default-bm25"
   assert read_manifest(index_dir)["num_passages"] == 8113
   second = _cli("index", env=env)
