@@ -167,7 +167,11 @@ class OpenAIServer:
         body = await asyncio.wait_for(request.json(loads=json.loads), self.config.request_timeout_s)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"malformed JSON: {e}") from None
-      response = await asyncio.wait_for(handle(body), self.config.request_timeout_s)
+      # A stream has begun answering by the time it could time out: its generations carry the
+      # timeout instead, and it ends with an error event.
+      streaming = isinstance(body, dict) and body.get("stream") is True
+      timeout = None if streaming else self.config.request_timeout_s
+      response = await asyncio.wait_for(handle(body), timeout)
       self.requests[kind] += 1
       return response
     except RequestError as e:
