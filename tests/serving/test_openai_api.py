@@ -403,3 +403,24 @@ async def test_max_tokens_beyond_the_context_is_clipped_or_refused(api, driver):
     assert status == 200, out
   finally:
     await asyncio.wait_for(refusing.stop(), T)
+
+
+async def test_top_logprobs_on_every_admission_path(driver):
+  """The first token comes from a prefill (fresh slot) or a suffix prefill (an agent's next turn
+  onto its parked prefix), the rest from decode steps: each reports its alternatives, greedy
+  alternatives start with the chosen token at its logprob, and a request not asking gets None."""
+  greedy = SamplingParams(temperature=0.0, top_logprobs=3)
+  first = await asyncio.wait_for(driver.generate(PROMPT, greedy, 5, stop_token_ids=()), T)
+  hits = driver.stats()["prefix_hits"]
+  turn = PROMPT + first.tokens + [7, 8, 9]  # extends the parked prompt + tokens[:-1]
+  second = await asyncio.wait_for(driver.generate(turn, greedy, 5, stop_token_ids=()), T)
+  assert driver.stats()["prefix_hits"] == hits + 1
+  for res in (first, second):
+    assert len(res.top_logprobs) == len(res.tokens) == 5
+    for token, lp, top in zip(res.tokens, res.logprobs, res.top_logprobs, strict=True):
+      assert len(top) == 3 and top[0][0] == token and top[0][1] == pytest.approx(lp, abs=1e-5)
+      assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+  plain = await asyncio.wait_for(
+    driver.generate(PROMPT, SamplingParams(temperature=0.0), 3, stop_token_ids=()), T
+  )
+  assert plain.top_logprobs is None and plain.tokens == first.tokens[:3]
