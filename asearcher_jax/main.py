@@ -1,9 +1,11 @@
 """The one command-line entry point: `asearcher <subcommand> --gin_file ... --gin_param ...`.
 
-This is the only module that imports gin or parses flags. Each subcommand is a plain library
-function taking keyword arguments; gin files bind those arguments (dynamic registration) and this
-module calls the configured function. With no `--gin_file`, `gin/runs/<subcommand>.gin` is used
-when it exists, so `asearcher demo` works as is.
+This is the only module that parses flags. Each subcommand is a plain library function taking
+keyword arguments; gin files bind those arguments (dynamic registration) and this module calls
+the configured function. With no `--gin_file`, `gin/runs/<subcommand>.gin` is used when it
+exists, so `asearcher demo` works as is. `asearcher SUBCOMMAND --help` lists what it binds
+(apps/cli_help.py); every configuration mistake is one line and exit status 2
+(apps/gin_config.py).
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ SUBCOMMANDS: dict[str, str] = {
   "inspect": "asearcher_jax.apps.inspect:inspect",
 }
 
-# Where gin files are looked up: the working directory, then the repository root. Includes are
-# written from the root ('gin/models/x.gin'): gin's package-path reader would mistake a bare
-# 'runs/x.gin' for a Python namespace package when a runs/ directory exists.
+# Where gin files are looked up: the working directory, then the repository root, so the default
+# files and their includes ('gin/models/x.gin', written from the root) resolve wherever the
+# command runs. (gin's package-path reader would mistake a bare 'runs/x.gin' for a Python
+# namespace package when a runs/ directory exists.)
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 GIN_SEARCH_PATHS = (Path.cwd(), _REPO_ROOT)
+
+# Libraries whose INFO/DEBUG chatter is not ours to show at the default level.
+QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "urllib3", "httpx", "filelock")
 
 
 def _resolve(target: str) -> Callable[..., object]:
@@ -45,12 +51,26 @@ def _resolve(target: str) -> Callable[..., object]:
   return getattr(importlib.import_module(module_name), fn_name)
 
 
+def default_gin_file(subcommand: str) -> Path | None:
+  path = _REPO_ROOT / "gin" / "runs" / f"{subcommand.replace('-', '_')}.gin"
+  return path if path.exists() else None
+
+
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  from asearcher_jax.apps import cli_help
+
+  lines = [f"  {name:16} {cli_help.summary(target)}" for name, target in SUBCOMMANDS.items()]
   parser = argparse.ArgumentParser(
     prog="asearcher",
     description="asearcher_jax: train and evaluate LLM search agents with asynchronous RL.",
+    epilog="subcommands (`asearcher SUBCOMMAND --help` lists its parameters):\n" + "\n".join(lines),
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    add_help=False,
   )
-  parser.add_argument("subcommand", choices=sorted(SUBCOMMANDS))
+  parser.add_argument(
+    "-h", "--help", action="store_true", help="show this help (or a subcommand's)"
+  )
+  parser.add_argument("subcommand", nargs="?", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND")
   parser.add_argument(
     "--gin_file", action="append", default=[], help="gin file (repeatable, applied in order)"
   )
@@ -62,35 +82,59 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
   )
   parser.add_argument("--print_config", action="store_true", help="print the operative config")
   parser.add_argument("--log_level", default="INFO")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.subcommand is None:
+    if args.help:
+      parser.print_help()
+      parser.exit(0)
+    parser.error("a SUBCOMMAND is required")
+  return args
+
+
+def _help(subcommand: str, gin_files: Sequence[str]) -> str:
+  from asearcher_jax.apps import cli_help
+
+  if gin_files:
+    files = [Path(f) for f in gin_files]
+  else:
+    default = default_gin_file(subcommand)
+    files = cli_help.gin_includes(default, GIN_SEARCH_PATHS) if default else []
+  return cli_help.command_help(subcommand, SUBCOMMANDS[subcommand], files, _REPO_ROOT)
 
 
 def configure(subcommand: str, gin_files: Sequence[str], gin_params: Sequence[str]) -> Callable:
-  """Parses gin files and bindings; returns the configured subcommand function."""
+  """Parses and checks gin files and bindings; returns the configured subcommand function.
+  Raises gin_config.ConfigError (one line naming the file:line or the flag) on any mistake."""
   import gin
 
-  for path in GIN_SEARCH_PATHS:
-    gin.add_config_file_search_path(str(path))
+  from asearcher_jax.apps import gin_config
+
+  gin.clear_config()
+  gin_config.use_package_paths(GIN_SEARCH_PATHS)
   files = list(gin_files)
-  if not files:
-    default = _REPO_ROOT / "gin" / "runs" / f"{subcommand.replace('-', '_')}.gin"
-    if default.exists():
-      files = [str(default)]
+  if not files and (default := default_gin_file(subcommand)) is not None:
+    files = [str(default)]
   fn = _resolve(SUBCOMMANDS[subcommand])
-  gin.parse_config_files_and_bindings(files, list(gin_params), skip_unknown=False)
+  gin_config.parse(files, list(gin_params), SUBCOMMANDS[subcommand].split(":")[0])
+  gin_config.check(fn, files, list(gin_params))
   return gin.get_configurable(fn)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parse_args(sys.argv[1:] if argv is None else argv)
+  if args.help:
+    print(_help(args.subcommand, args.gin_file))
+    return 0
   logging.basicConfig(
     level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
   )
-  for noisy in ("absl", "orbax", "jax._src.xla_bridge"):  # per-step INFO chatter from libraries
+  for noisy in QUIET_LOGGERS:
     logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+  from asearcher_jax.apps.gin_config import ConfigError
+
   try:
     fn = configure(args.subcommand, args.gin_file, args.gin_param)
-  except (OSError, ValueError) as e:  # gin reports unknown files/bindings as these
+  except ConfigError as e:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
   if args.print_config:

@@ -24,7 +24,8 @@ def default_index_dir() -> Path:
 
 def build_index(
   *,
-  corpus: Sequence[str] = (),
+  corpus: str | Sequence[str] = (),
+  add_shipped_corpus: bool = False,
   index_dir: str | None = None,
   backend: str = "bm25",
   stemmer: str | None = "english",
@@ -41,8 +42,31 @@ def build_index(
 
   An index whose manifest records the same corpus checksum and settings is kept unless `force`.
   Returns 0 (the process exit code).
+
+  Args:
+    corpus: one corpus file or a list of them (.jsonl / .json, optionally .gz; the formats are in
+      `tools.retrieval.corpus`); (): the shipped corpus.
+    add_shipped_corpus: also index the shipped corpus (~8k Wikipedia passages) after `corpus`, as
+      distractors around one's own documents.
+    index_dir: where the index goes; None: the shipped corpus's default ($ASEARCHER_HOME or
+      ~/.cache/asearcher_jax, index/default-bm25).
+    backend: "bm25" (bm25s, the default) or "dense" (an encoder, see `encoder`).
+    stemmer: BM25 stemmer language (PyStemmer), None: no stemming.
+    stopwords: BM25 stopword list ("en"), None: keep every word.
+    k1: BM25 term-frequency saturation.
+    b: BM25 document-length normalisation.
+    method: the BM25 variant ("lucene", "robertson", "atire", "bm25l", "bm25+").
+    pages_file: whole pages for `access` (.jsonl rows {"url", "contents", "title"?}, ASearcher's
+      wiki_webpages.jsonl); None: the passages of each URL joined in corpus order.
+    encoder: the dense backend's encoder spec.
+    force: rebuild even when the manifest says the index is up to date.
+    show_progress: progress bars while indexing.
   """
+  if isinstance(corpus, str):  # one path, not a sequence of one-letter paths
+    corpus = [corpus]
   paths = [Path(p) for p in corpus] or default_corpus_paths()
+  if add_shipped_corpus and corpus:
+    paths += default_corpus_paths()
   out = Path(index_dir) if index_dir else default_index_dir()
   manifest = build_index_dir(
     corpus=paths,

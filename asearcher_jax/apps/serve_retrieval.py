@@ -35,6 +35,18 @@ def serve(
 
   With no `index_dir`, the shipped corpus's index is used and built first if missing (about a
   second). `encoder` overrides the manifest's encoder spec for a dense index.
+
+  Args:
+    index_dir: an index built by `asearcher index`; None: the shipped corpus's (built if missing).
+    host: interface to bind; loopback by default so nothing is exposed by accident.
+    port: TCP port; 0 picks a free one (read it from the address file or the log).
+    addr_dir: directory for the discovery file `Host{ip}_IP{port}.txt`; None: none.
+    default_topk: topk used when a request omits it or sends 0 (ASearcher's server default).
+    max_topk: largest topk a request may ask for.
+    max_batch: most queries (or urls) one request may carry.
+    max_inflight: requests served at once; more get 503.
+    max_request_bytes: largest request body in bytes (413 beyond it).
+    encoder: 'module:factory' of a dense index's query encoder; None: the manifest's.
   """
   if index_dir is None:
     out = default_index_dir()

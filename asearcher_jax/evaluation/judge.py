@@ -62,7 +62,7 @@ class JudgeConfig:
 
   # OpenAI-style API root including /v1, e.g. "http://127.0.0.1:8010/v1" or the OpenAI API.
   base_url: str
-  # Model name sent in the request (serve-model accepts any).
+  # Model name sent in the request (a serve-model answers 404 unless it is its served name).
   model: str = "gpt-4o-mini-2024-07-18"
   # Environment variable holding the API key; unset or empty: no Authorization header.
   api_key_env: str = "OPENAI_API_KEY"

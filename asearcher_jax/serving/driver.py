@@ -40,8 +40,8 @@ from concurrent.futures import Future
 import numpy as np
 from flax import nnx
 
+from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine import Engine
-from asearcher_jax.serving.engine_steps import LOGPROB, TOKEN, VERSION, DecodeState
 from asearcher_jax.serving.jetstream import engine_api
 from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.request import Request
@@ -103,7 +103,7 @@ class Driver:
     self.cfg = cfg
     self._params = engine.load_params()
     self._version = int(self._params.version)
-    self._state: DecodeState = engine.init_decode_state()
+    self._state: steps.DecodeState = engine.init_decode_state()
     self._slots: list[Request | None] = [None] * engine.max_concurrent_decodes
     self._prefixes = PrefixCache(enabled=cfg.prefix_reuse)  # engine thread only
     self._in_flight: _InFlight | None = None  # engine thread only
@@ -360,7 +360,7 @@ class Driver:
     t0 = time.perf_counter()
     start, bucket, window = self.engine.extend_plan(len(cached), len(req.prompt))
     try:
-      self._state, tok, lp, version = self.engine.extend_slot(
+      self._state, tok, lp, version, top = self.engine.extend_slot(
         self._params,
         self._state,
         slot,
@@ -371,7 +371,7 @@ class Driver:
         bucket=bucket,
         window=window,
       )
-      first, logprob, version = int(tok), float(lp), int(version)
+      first, logprob, version, top = int(tok), float(lp), int(version), tuple(map(np.asarray, top))
     except Exception as e:
       log.exception("suffix prefill failed for %s", req.id)
       self.metrics["engine_errors"] += 1
@@ -383,7 +383,7 @@ class Driver:
     self.metrics["prefix_hits"] += 1
     self.metrics["prefix_tokens_reused"] += start
     self.metrics["prefill_tokens"] += len(req.prompt) - start
-    reason = self._append(req, first, logprob, version)
+    reason = self._append(req, first, logprob, version, top)
     if reason is not None:
       self._park(slot, req)
       self._finish(req, reason)
@@ -403,6 +403,7 @@ class Driver:
       first = np.asarray(prefixes.next_token)
       logprobs = np.asarray(prefixes.next_logprob)
       versions = np.asarray(prefixes.version)
+      tops = np.asarray(prefixes.top_ids), np.asarray(prefixes.top_logprobs)
       self._state = self.engine.insert_many(prefixes, self._state, slots)
     except Exception as e:
       log.exception("prefill failed for %s", [r.id for r in chunk])
@@ -413,7 +414,8 @@ class Driver:
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["prefill_tokens"] += sum(len(r.prompt) for r in chunk)
     for i, (req, slot) in enumerate(zip(chunk, slots, strict=True)):
-      reason = self._append(req, int(first[i]), float(logprobs[i]), int(versions[i]))
+      top = tops[0][i], tops[1][i]
+      reason = self._append(req, int(first[i]), float(logprobs[i]), int(versions[i]), top)
       if reason is not None:
         self._park(slot, req)
         self._finish(req, reason)  # finished on its first token: its slot stays free
@@ -435,10 +437,11 @@ class Driver:
 
       longest = max(length(slot, r) for slot, r in live)
       mode = mode_for(r.sampling for _, r in live)
+      top_n = steps.TOP_N if any(r.sampling.top_logprobs for _, r in live) else 0  # RL: 0
       try:
-        self._state, result = self.engine.generate(
-          self._params, self._state, max_length=longest, mode=mode, live=[s for s, _ in live]
-        )
+        self._state, result = self.engine.generate(self._params, self._state, max_length=longest,
+                                                   mode=mode, live=[s for s, _ in live],
+                                                   top_n=top_n)  # fmt: skip
       except Exception as e:
         self._generate_failed(e)
         return
@@ -464,16 +467,17 @@ class Driver:
     except Exception as e:  # a failure inside the step surfaces here
       self._generate_failed(e)
       return
-    logprobs = data[:, LOGPROB].astype(np.int32).view(np.float32)
+    logprobs = data[:, steps.LOGPROB].astype(np.int32).view(np.float32)
+    top = steps.result_top(data)
     for slot, req in enumerate(step.owners):
       # A request that finished or was aborted after this step was dispatched no longer owns
       # its slot (it may hold a new request already): the token computed for it is dropped.
       if req is None or self._slots[slot] is not req:
         continue
       self.metrics["decode_tokens"] += 1
-      reason = self._append(
-        req, int(data[slot, TOKEN]), float(logprobs[slot]), int(data[slot, VERSION])
-      )
+      token, version = int(data[slot, steps.TOKEN]), int(data[slot, steps.VERSION])
+      alternatives = None if top is None else (top[0][slot], top[1][slot])
+      reason = self._append(req, token, float(logprobs[slot]), version, alternatives)
       if reason is not None:
         self._slots[slot] = None  # before the caller can see the result: stats never lag it
         self._park(slot, req)
@@ -486,10 +490,11 @@ class Driver:
     self._state = self.engine.init_decode_state()  # the old one may have been donated
     self._fail_active(EngineError(f"generate step failed: {type(e).__name__}: {e}"))
 
-  def _append(self, req: Request, token: int, logprob: float, version: int) -> StopReason | None:
+  def _append(self, req: Request, token: int, logprob: float, version: int,
+              top: tuple | None = None) -> StopReason | None:  # fmt: skip
     """Records one generated token; returns why the request stops now, or None."""
     self.metrics["tokens"] += 1
-    return req.append(token, logprob, version, self.engine.tokenizer.decode)
+    return req.append(token, logprob, version, self.engine.tokenizer.decode, top)
 
   def _fail_active(self, error: Exception) -> None:
     self._in_flight = None  # its tokens belong to the requests failed here

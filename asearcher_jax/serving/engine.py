@@ -245,7 +245,8 @@ class Engine(EngineContract):
   ) -> Prefix:
     """Prefills several requests of the same bucket in one call (not part of JetStream's API;
     the RL driver admits bursts of agent turns this way). Returns a Prefix whose leaves have a
-    leading request axis; insert it with `insert_many`."""
+    leading request axis; insert it with `insert_many`. Its top_ids/top_logprobs hold
+    `steps.TOP_N` alternatives per request when any sampling asks for top logprobs."""
     rows = [self.pad(p) for p in prompts]
     buckets = {r[0].shape[1] for r in rows}
     if len(buckets) != 1:
@@ -261,6 +262,7 @@ class Engine(EngineContract):
       jnp.asarray([s.temperature for s in samplings], jnp.float32),
       jnp.asarray([s.top_p for s in samplings], jnp.float32),
       jnp.asarray([s.top_k for s in samplings], jnp.int32),
+      top_n=steps.TOP_N if any(s.top_logprobs for s in samplings) else 0,
     )
 
   def insert_many(
@@ -276,19 +278,23 @@ class Engine(EngineContract):
     max_length: int | None = None,
     mode: SamplingMode = "truncate",
     live: Sequence[int] | None = None,
+    top_n: int = 0,
   ) -> tuple[DecodeState, engine_api.ResultTokens]:
     """One token for every slot. max_length: an upper bound on every live slot's length after
     this step (the driver knows it); the step then attends over the smallest window that holds
     it. mode: the sampling path every live slot can use (`sampling.mode_for`). live: the slots
     that decode (the caller's word; every other slot must be inactive or its token unwanted):
     when they fit a `decode_rows` size, only that many slots are computed. The defaults
-    (JetStream's orchestrator) attend over the whole cache with the general sampler."""
+    (JetStream's orchestrator) attend over the whole cache with the general sampler. top_n: also
+    report that many top alternatives per slot (`steps.result_top`); 0 (RL) computes none."""
     window = self.cfg.max_seq_len if max_length is None else self.bucket_for(max_length)
     size = self.rows_for(len(live)) if live is not None else self.cfg.max_slots
     if size == self.cfg.max_slots:
-      return steps.GENERATE(self._graphdef, window, mode, params, decode_state)
+      return steps.GENERATE(self._graphdef, window, mode, params, decode_state, top_n=top_n)
     rows, mask = self._row_plan(live, size)
-    return steps.GENERATE_ROWS(self._graphdef, window, mode, params, decode_state, rows, mask)
+    return steps.GENERATE_ROWS(
+      self._graphdef, window, mode, params, decode_state, rows, mask, top_n=top_n
+    )
 
   def rows_for(self, n_live: int) -> int:
     """The decode-step size for n_live live slots."""
@@ -327,10 +333,11 @@ class Engine(EngineContract):
     seed: int = 0,
     bucket: int | None = None,
     window: int | None = None,
-  ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
+  ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """Prefills `suffix` into `slot` at offset `start` on top of the keys/values already there
     (positions < start) and activates the slot, like insert(prefill(prefix + suffix)) but paying
-    only for the suffix. Returns (state, first token, its logprob, version) as device scalars."""
+    only for the suffix. Returns (state, first token, its logprob, version, (top alternative ids,
+    their logprobs): `steps.TOP_N` of them when sampling asks for top logprobs) on device."""
     n = len(suffix)
     if bucket is None:
       _, bucket, window = self.extend_plan(start, start + n)
@@ -343,7 +350,7 @@ class Engine(EngineContract):
     top_p = jnp.asarray(sampling.top_p, jnp.float32)
     top_k = jnp.asarray(sampling.top_k, jnp.int32)
     slot_ = jnp.asarray(slot, jnp.int32)
-    row, tok, lp, version = steps.EXTEND_ROW(
+    row, tok, lp, version, top = steps.EXTEND_ROW(
       self._graphdef,
       window,
       mode_for([sampling]),
@@ -354,12 +361,13 @@ class Engine(EngineContract):
       jnp.asarray(start, jnp.int32),
       jnp.asarray(n, jnp.int32),
       steps.RowSampling(key, temperature, top_p, top_k),
+      top_n=steps.TOP_N if sampling.top_logprobs else 0,
     )
     state = steps.PUT_ROW(
       decode_state, row, slot_, jnp.asarray(start + n, jnp.int32), tok, key, temperature, top_p,
       top_k,
     )  # fmt: skip
-    return state, tok, lp, version
+    return state, tok, lp, version, top
 
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Marks a slot inactive: decode steps stop advancing it and never write inside its cached

@@ -23,9 +23,35 @@ from asearcher_jax.model.kv_cache import KVCache
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving.jetstream import engine_api
 from asearcher_jax.serving.sampling import SamplingMode, sample
+from asearcher_jax.serving.types import MAX_TOP_LOGPROBS
 
-# ResultTokens.data columns.
+# ResultTokens.data columns. A step asked for top logprobs (top_n > 0) appends top_n columns of
+# token ids, then top_n of their logprob bits.
 TOKEN, VALID, LENGTH, LOGPROB, VERSION = range(5)
+COLUMNS = 5
+
+# Alternatives per token a step computes when any request asks (`SamplingParams.top_logprobs`, up
+# to this many): one static size, so asking compiles one more variant of each step, and a step in
+# which no request asks (every RL step) computes and returns nothing more.
+TOP_N = MAX_TOP_LOGPROBS
+
+
+def _top(logits, temperature, top_n: int) -> tuple[jax.Array, jax.Array]:
+  """The top_n most likely tokens per row and their logprobs under the sampling distribution
+  (softmax of logits / temperature; temperature 1 when greedy), as the chosen token's logprob is
+  reported: [R, V] -> ([R, top_n] int32, [R, top_n] float32)."""
+  if not top_n:
+    return jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+  temp = jnp.where(temperature <= 0.0, 1.0, temperature)
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temp[:, None], axis=-1)
+  values, ids = jax.lax.top_k(lp, top_n)
+  return ids.astype(jnp.int32), values
+
+
+def _top_columns(logits, temperature, top_n: int) -> jax.Array:
+  """[R, 2 * top_n] int32 ResultTokens columns: ids, then logprob bits."""
+  ids, values = _top(logits, temperature, top_n)
+  return jnp.concatenate([ids, jax.lax.bitcast_convert_type(values, jnp.int32)], axis=1)
 
 
 @flax.struct.dataclass
@@ -49,6 +75,8 @@ class Prefix:
   temperature: jax.Array
   top_p: jax.Array
   top_k: jax.Array
+  top_ids: jax.Array  # [top_n] alternatives to next_token ([0] unless asked)
+  top_logprobs: jax.Array  # [top_n]
 
 
 @flax.struct.dataclass
@@ -67,7 +95,7 @@ class DecodeState:
 
 
 def _prefill(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true_length, key,
-             temperature, top_p, top_k) -> Prefix:  # fmt: skip
+             temperature, top_p, top_k, *, top_n: int = 0) -> Prefix:  # fmt: skip
   model: Transformer = nnx.merge(graphdef, params.state)
   cache = KVCache.init(model.cfg, batch=1, max_len=tokens.shape[1])
   hidden, cache = model.extend(
@@ -80,9 +108,10 @@ def _prefill(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true
     last[None], key[None], (true_length - 1)[None], temperature[None], top_p[None], top_k[None],
     mode,
   )  # fmt: skip
+  top_ids, top_lps = _top(last[None], temperature[None], top_n)
   return Prefix(cache=cache, true_length=true_length, next_token=tok[0], next_logprob=lp[0],
                 version=params.version, key=key, temperature=temperature, top_p=top_p,
-                top_k=top_k)  # fmt: skip
+                top_k=top_k, top_ids=top_ids[0], top_logprobs=top_lps[0])  # fmt: skip
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
@@ -106,10 +135,10 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
 
 
 def _prefill_many(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true_length,
-                  key, temperature, top_p, top_k) -> Prefix:  # fmt: skip
+                  key, temperature, top_p, top_k, *, top_n: int = 0) -> Prefix:  # fmt: skip
   """k requests of one bucket in one call: tokens [k, 1, bucket], the rest [k]; every leaf of the
   returned Prefix gains a leading k axis."""
-  one = functools.partial(_prefill, graphdef, mode, params)
+  one = functools.partial(_prefill, graphdef, mode, params, top_n=top_n)
   return jax.vmap(one)(tokens, true_length, key, temperature, top_p, top_k)
 
 
@@ -120,7 +149,13 @@ def _insert_many(prefixes: Prefix, state: DecodeState, slots) -> DecodeState:
 
 
 def _generate(
-  graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams, state: DecodeState
+  graphdef,
+  attend_len: int,
+  mode: SamplingMode,
+  params: VersionedParams,
+  state: DecodeState,
+  *,
+  top_n: int = 0,
 ):
   model: Transformer = nnx.merge(graphdef, params.state)
   # Live slots stay inside the window (the caller's max_length says so). Inactive slots write at
@@ -145,6 +180,8 @@ def _generate(
     ],
     axis=1,
   )
+  if top_n:
+    data = jnp.concatenate([data, _top_columns(logits[:, 0], state.temperature, top_n)], axis=1)
   result = engine_api.ResultTokens(
     data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
   )
@@ -159,6 +196,8 @@ def _generate_rows(
   state: DecodeState,
   rows,
   live,
+  *,
+  top_n: int = 0,
 ):
   """One decode step over the slots `rows` [R] only (distinct; live [R] bool marks the ones that
   decode, the rest pad the step to R and are treated as inactive). Every other slot is untouched.
@@ -181,7 +220,10 @@ def _generate_rows(
   lp_bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
   version = jnp.broadcast_to(params.version, rows.shape).astype(jnp.int32)
   computed = jnp.stack([tokens, active.astype(jnp.int32), lengths[rows], lp_bits, version], axis=1)
-  data = jnp.zeros((n, 5), jnp.int32).at[rows].set(computed)
+  if top_n:
+    top = _top_columns(logits[:, 0], state.temperature[rows], top_n)
+    computed = jnp.concatenate([computed, top], axis=1)
+  data = jnp.zeros((n, computed.shape[1]), jnp.int32).at[rows].set(computed)
   result = engine_api.ResultTokens(
     data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
   )
@@ -198,11 +240,12 @@ class RowSampling(NamedTuple):
 
 
 def _extend_row(graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams,
-                cache: KVCache, slot, tokens, start, true_length, samp: RowSampling):  # fmt: skip
+                cache: KVCache, slot, tokens, start, true_length, samp: RowSampling, *,
+                top_n: int = 0):  # fmt: skip
   """The compute half of a suffix prefill: reads the slot's cache row (a copy of one row; the
   decode state is not donated here), prefills the suffix tokens [1, bucket] (true_length of them)
   at offset start and samples the first new token from the last suffix position. Returns (the
-  row's new cache, token, logprob, version)."""
+  row's new cache, token, logprob, version, (top ids [top_n], their logprobs))."""
   key, temperature, top_p, top_k = samp
   model: Transformer = nnx.merge(graphdef, params.state)
 
@@ -217,7 +260,8 @@ def _extend_row(graphdef, attend_len: int, mode: SamplingMode, params: Versioned
   tok, lp = sample(
     last[None], key[None], pos[None], temperature[None], top_p[None], top_k[None], mode
   )  # fmt: skip
-  return row_cache, tok[0], lp[0], params.version
+  top_ids, top_lps = _top(last[None], temperature[None], top_n)
+  return row_cache, tok[0], lp[0], params.version, (top_ids[0], top_lps[0])
 
 
 def _put_row(state: DecodeState, row_cache: KVCache, slot, length, token, key, temperature,
@@ -259,15 +303,27 @@ def result_versions(result: engine_api.ResultTokens) -> np.ndarray:
   return np.asarray(result.data[:, VERSION])
 
 
+def result_top(data: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+  """Per-slot top alternatives (ids [S, top_n], logprobs [S, top_n]) from a host copy of a
+  ResultTokens' data, or None when the step computed none."""
+  n = (data.shape[1] - COLUMNS) // 2
+  if n <= 0:
+    return None
+  lps = np.ascontiguousarray(data[:, COLUMNS + n :]).astype(np.int32).view(np.float32)
+  return data[:, COLUMNS : COLUMNS + n], lps
+
+
 # Compiled once per process and shared by every Engine over the same model structure (graphdef,
 # window and mode are static; shapes key the rest), so building a second engine or restarting a
 # driver pays no compile.
-PREFILL = jax.jit(_prefill, static_argnums=(0, 1))
-PREFILL_MANY = jax.jit(_prefill_many, static_argnums=(0, 1))
+PREFILL = jax.jit(_prefill, static_argnums=(0, 1), static_argnames="top_n")
+PREFILL_MANY = jax.jit(_prefill_many, static_argnums=(0, 1), static_argnames="top_n")
 INSERT = jax.jit(_insert, donate_argnums=1)
 INSERT_MANY = jax.jit(_insert_many, donate_argnums=1)
-GENERATE = jax.jit(_generate, static_argnums=(0, 1, 2), donate_argnums=4)
-GENERATE_ROWS = jax.jit(_generate_rows, static_argnums=(0, 1, 2), donate_argnums=4)
-EXTEND_ROW = jax.jit(_extend_row, static_argnums=(0, 1, 2))
+GENERATE = jax.jit(_generate, static_argnums=(0, 1, 2), static_argnames="top_n", donate_argnums=4)
+GENERATE_ROWS = jax.jit(
+  _generate_rows, static_argnums=(0, 1, 2), static_argnames="top_n", donate_argnums=4
+)
+EXTEND_ROW = jax.jit(_extend_row, static_argnums=(0, 1, 2), static_argnames="top_n")
 PUT_ROW = jax.jit(_put_row, donate_argnums=0)
 RELEASE = jax.jit(_release, donate_argnums=0)

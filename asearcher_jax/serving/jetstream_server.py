@@ -12,7 +12,8 @@ JetStream's `Decode` RPC (text or token content, streamed text + token ids) is s
     completes it). Prefill never raises: a JetStream thread error SIGKILLs the process.
   * `JetStreamTokenizer` puts our HF tokenizer behind `tokenizer_api.Tokenizer`. Qwen has no BOS
     token, so `is_bos` is ignored; `_Driver` likewise pads token content without prepending one.
-  * `_Orchestrator` rejects requests that cannot be served (empty, too long, max_tokens < 1) with
+  * `_Orchestrator` rejects requests that cannot be served (empty, a token id outside the
+    vocabulary, too long: `request.prompt_problem`, as the OpenAI facade; max_tokens < 1) with
     INVALID_ARGUMENT before they reach the threads.
 
 Sampling is greedy (the 0.2.2 proto has no sampling fields), logprobs and policy versions do not
@@ -37,6 +38,7 @@ import numpy as np
 from asearcher_jax.serving.engine import Engine
 from asearcher_jax.serving.engine_steps import LENGTH, VALID, Prefix, VersionedParams
 from asearcher_jax.serving.jetstream import EngineContract, import_core, pad_ids
+from asearcher_jax.serving.request import prompt_problem
 
 log = logging.getLogger(__name__)
 _core = import_core()
@@ -141,15 +143,15 @@ class _Orchestrator(_core.orchestrator.LLMOrchestrator):
     which = request.WhichOneof("content")
     if which is None:
       return "set text_content or token_content"
+    engine = self._engine.engine
     if which == "text_content":
-      n = len(self._engine.engine.tokenizer.encode(request.text_content.text))
+      ids = engine.tokenizer.encode(request.text_content.text)
     else:
-      n = len(request.token_content.token_ids)
-    limit = self._engine.engine.cfg.max_seq_len
-    if n == 0:
-      return "empty prompt"
-    if n >= limit:
-      return f"prompt of {n} tokens does not fit the context (max_seq_len={limit})"
+      ids = list(request.token_content.token_ids)
+    problem = prompt_problem(ids, vocab_size=engine.model_cfg.vocab_size,
+                             max_seq_len=engine.cfg.max_seq_len)  # fmt: skip
+    if problem is not None:  # the same check and words as the OpenAI facade
+      return problem
     if request.max_tokens < 1:
       return f"max_tokens must be >= 1, got {request.max_tokens}"
     return None

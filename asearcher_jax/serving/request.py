@@ -19,6 +19,18 @@ import numpy as np
 from asearcher_jax.serving.types import GenerationResult, SamplingParams, StopReason
 
 
+def prompt_problem(ids: Sequence[int], *, vocab_size: int, max_seq_len: int) -> str | None:
+  """Why a prompt cannot be served (empty, an id outside the vocabulary, too long), or None: the
+  one check every front door (OpenAI HTTP, JetStream gRPC) applies, with the same words."""
+  if not ids:
+    return "empty prompt"
+  if min(ids) < 0 or max(ids) >= vocab_size:
+    return f"token ids must be in [0, {vocab_size})"
+  if len(ids) >= max_seq_len:
+    return f"prompt of {len(ids)} tokens does not fit the context (max_seq_len={max_seq_len})"
+  return None
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
   """Attributes:
@@ -30,6 +42,7 @@ class Request:
   loop, future: the caller's event loop and the future it awaits.
   tokens, logprobs, versions: what was generated so far, one entry per token (versions is
     appended last, so the three agree up to len(versions)).
+  top: per token, its most likely alternatives (id, logprob), when the sampling asks for them.
   slot: the decode slot it holds, once admitted.
   aborted: set by `Driver.abort` from any thread; the engine thread frees the slot.
   """
@@ -46,6 +59,7 @@ class Request:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   slot: int | None = None
   aborted: bool = False
   submitted: float = dataclasses.field(default_factory=time.monotonic)
@@ -88,10 +102,20 @@ class Request:
     )
 
   def append(
-    self, token: int, logprob: float, version: int, decode: Callable[[list[int]], str]
+    self,
+    token: int,
+    logprob: float,
+    version: int,
+    decode: Callable[[list[int]], str],
+    top: tuple[np.ndarray, np.ndarray] | None = None,
   ) -> StopReason | None:
     """Records one generated token; returns why the request stops now, or None. decode: the
-    tokenizer's, for stop strings (only the last few tokens are decoded)."""
+    tokenizer's, for stop strings (only the last few tokens are decoded). top: the step's
+    alternatives for this slot (ids, logprobs), most likely first."""
+    k = self.sampling.top_logprobs
+    if k:
+      ids, lps = top if top is not None else ((), ())
+      self.top.append([(int(i), float(lp)) for i, lp in zip(ids[:k], lps[:k], strict=True)])
     self.tokens.append(token)
     self.logprobs.append(logprob)
     self.versions.append(version)
@@ -117,6 +141,7 @@ class Request:
       logprobs=list(self.logprobs),
       versions=list(self.versions),
       stop_reason=reason,
+      top_logprobs=[list(t) for t in self.top] if self.sampling.top_logprobs else None,
     )
 
   def resolve(self, outcome: GenerationResult | Exception) -> None:

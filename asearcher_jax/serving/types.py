@@ -18,6 +18,10 @@ class EngineError(RuntimeError):
 
 StopReason = Literal["stop", "length", "abort"]
 
+# Most top alternatives a request may ask for per token (OpenAI's chat limit; the engine computes
+# this many, `engine_steps.TOP_N`, when any request asks).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -34,6 +38,10 @@ class SamplingParams:
     logprobs: compute each token's logprob (RL always needs them). False lets a step in which
       every slot is greedy and none wants logprobs skip the exp-sum over the vocabulary (~1.3 ms
       of a ~10 ms step at batch 32 and a 150k vocabulary on CPU); such tokens report NaN.
+    top_logprobs: also report this many most likely alternatives per token, with their logprobs
+      under the same distribution (OpenAI's `top_logprobs`; at most `MAX_TOP_LOGPROBS`). A step in
+      which some slot asks computes them for every slot (one more compiled step); RL never asks,
+      so its steps compute nothing more.
   """
 
   temperature: float = 1.0
@@ -41,6 +49,7 @@ class SamplingParams:
   top_k: int = 0
   seed: int | None = None
   logprobs: bool = True
+  top_logprobs: int = 0
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -49,6 +58,8 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+      raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
   @property
   def greedy(self) -> bool:
@@ -69,12 +80,15 @@ class GenerationResult:
       the engine (a weight update mid-request shows up as a change in this list).
     stop_reason: "stop" (stop token or stop string), "length" (max_new_tokens or context full) or
       "abort" (aborted or cancelled; tokens so far are kept).
+    top_logprobs: per generated token, the `SamplingParams.top_logprobs` most likely (token id,
+      logprob) pairs, most likely first; None when not asked.
   """
 
   tokens: list[int]
   logprobs: list[float]
   versions: list[int]
   stop_reason: StopReason
+  top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ class RoleConfig:
   # OpenAI-style API root including /v1, e.g. "http://127.0.0.1:8000/v1"; "local": the in-process
   # tiny serve-model that `synth` starts when any role asks for it.
   base_url: str = "local"
-  # Model name sent in requests (serve-model accepts any).
+  # Model name sent in requests (a serve-model answers 404 unless it is its served name).
   model: str = "asearcher-policy"
   # "chat" (/chat/completions with the server's chat template) or "completions" (raw prompt).
   api: Literal["chat", "completions"] = "chat"

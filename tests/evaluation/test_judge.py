@@ -151,7 +151,7 @@ async def test_judge_against_serve_model_in_an_eval_run(
   """The tiny random policy writes garbage verdicts: each is parsed, found invalid, retried up to
   the bound, then marked failed; the run completes and the summary counts them."""
   driver = make_driver()
-  api = OpenAIServer(driver, OpenAIServerConfig(port=0))
+  api = OpenAIServer(driver, OpenAIServerConfig(port=0, model_name="tiny"))
   port = await asyncio.wait_for(api.start(), 30)
   judge = LLMJudge(
     JudgeConfig(

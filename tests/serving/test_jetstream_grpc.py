@@ -76,6 +76,8 @@ async def test_grpc_decode_equals_driver_greedy(make_driver, tokenizer):
       # Requests that cannot be served are rejected before they reach JetStream's threads.
       for bad, fragment in (
         (by_tokens([5] * 80, 4), "does not fit"),
+        (by_tokens([5, 10**9], 4), "token ids must be in [0, "),  # as the OpenAI facade says
+        (by_tokens([5, -1], 4), "token ids must be in [0, "),
         (by_text("", 4), "empty prompt"),
         (by_tokens([5], 0), "max_tokens"),
         (pb2.DecodeRequest(max_tokens=4), "set text_content or token_content"),

@@ -41,6 +41,7 @@ def test_index_command_builds_then_reuses(tmp_path: Path) -> None:
   first = _cli("index", "--gin_param=index.build_index.show_progress=False", env=env)
   assert first.returncode == 0, first.stderr
   assert "8113 passages" in first.stdout and "built in" in first.stdout
+  assert "DEBUG" not in first.stderr  # bm25s's own logger follows the default level
   index_dir = tmp_path / "home" / "index" / "default-bm25"
   assert read_manifest(index_dir)["num_passages"] == 8113
   second = _cli("index", env=env)
@@ -91,3 +92,21 @@ def test_serve_retrieval_command_announces_serves_and_cleans_up(tmp_path: Path) 
     if proc.poll() is None:
       proc.kill()
       proc.wait(timeout=10)
+
+
+def test_index_of_ones_own_corpus_alone_or_with_the_shipped_one_as_distractors(tmp_path: Path):
+  """`corpus` given as one string is one path (not a list of one-letter paths); with
+  add_shipped_corpus the shipped ~8k passages are indexed after it."""
+  from asearcher_jax.apps.index import build_index
+
+  mine = tmp_path / "mine.jsonl"
+  rows = [{"id": f"m{i}", "title": f"Zorblat {i}", "text": f"The zorblat number {i} glows."}
+          for i in range(3)]  # fmt: skip
+  mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  alone = _cli("index", f"--gin_param=index.build_index.corpus='{mine}'",
+               f"--gin_param=index.build_index.index_dir='{tmp_path / 'alone'}'")  # fmt: skip
+  assert alone.returncode == 0, alone.stderr
+  assert read_manifest(tmp_path / "alone")["num_passages"] == 3
+  assert build_index(corpus=str(mine), add_shipped_corpus=True, index_dir=str(tmp_path / "both"),
+                     show_progress=False) == 0  # fmt: skip
+  assert read_manifest(tmp_path / "both")["num_passages"] == 3 + 8113

@@ -144,9 +144,13 @@ async def test_malformed_requests_get_400_and_the_server_keeps_serving(retrieval
   async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
     big = b'{"queries": ["' + b"a" * (2 << 20) + b'"]}'
     async with s.post(base + "/retrieve", data=big) as resp:
-      assert resp.status == 413
+      assert resp.status == 413 and "size" in (await resp.json())["error"]
+    # aiohttp's own error statuses are JSON too.
     async with s.get(base + "/retrieve") as resp:
       assert resp.status == 405
+      assert (await resp.json())["error"] == "Method Not Allowed: GET /retrieve (allowed: POST)"
+    async with s.post(base + "/nowhere", json={}) as resp:
+      assert resp.status == 404 and (await resp.json())["error"] == "Not Found: POST /nowhere"
   # Still serving, and the bad requests were counted.
   status, body = await _post(base + "/retrieve", {"queries": ["Teutberga"], "topk": 1})
   assert status == 200 and body["result"][0][0]["title"] == "Teutberga"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import re
 import sys
 import time
@@ -43,6 +44,9 @@ def _import_bm25s() -> Any:
     import bm25s
   finally:
     del sys.modules["jax"]
+  # bm25s sets its logger to DEBUG at import ("Building index from IDs objects" at every build):
+  # let it follow the application's level like every other library.
+  logging.getLogger("bm25s").setLevel(logging.NOTSET)
   return bm25s
 
 

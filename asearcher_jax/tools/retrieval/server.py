@@ -62,6 +62,23 @@ def _json_error(status: int, message: str) -> web.Response:
   return web.json_response({"error": message}, status=status)
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+  """Every error status as a JSON body, aiohttp's own too (404 unknown path, 405 wrong method,
+  413 oversized body), so a client always parses the same shape."""
+  try:
+    return await handler(request)
+  except web.HTTPException as e:
+    if e.status < 400:
+      raise
+    message = f"{e.reason}: {request.method} {request.path}"
+    if isinstance(e, web.HTTPMethodNotAllowed):
+      message += f" (allowed: {', '.join(sorted(e.allowed_methods))})"
+    elif isinstance(e, web.HTTPRequestEntityTooLarge):
+      message = e.text or e.reason
+    return _json_error(e.status, message)
+
+
 def parse_retrieve(body: Any, config: RetrievalServerConfig) -> tuple[list[str], int, bool]:
   """Validates a /retrieve body; returns (queries, topk, return_scores)."""
   if not isinstance(body, dict):
@@ -160,7 +177,7 @@ class RetrievalServer:
     self.requests = {"retrieve": 0, "access": 0, "bad_request": 0, "busy": 0, "error": 0}
 
   def make_app(self) -> web.Application:
-    app = web.Application(client_max_size=self.config.max_request_bytes)
+    app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[json_errors])
     app.router.add_post("/retrieve", self._retrieve)
     app.router.add_post("/access", self._access)
     app.router.add_get("/health", self._health)

@@ -1,0 +1,213 @@
+"""`asearcher SUBCOMMAND --help`, generated from the code so it cannot drift from it.
+
+A subcommand is a keyword-only function; its parameters are documented in its docstring's
+`Args:` section and its nested config dataclasses document each field with the comment above it
+(or an `Attributes:` docstring entry). The help lists every gin-bindable name (`index.build_index.k1`,
+`engine.EngineConfig.max_slots`) with its default and that one-line meaning, plus the gin files
+the subcommand reads by default. The one-line summaries of `asearcher --help` are the modules' first docstring
+lines, read from source without importing it, so the global help stays fast.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import re
+import textwrap
+import typing
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """One bindable name: `selector.name`, its default (as gin would write it) and its meaning."""
+
+  selector: str
+  name: str
+  default: str
+  meaning: str
+
+
+def summary(target: str) -> str:
+  """The first line of the subcommand module's docstring (read from source, not imported),
+  without its "`asearcher name`:" prefix."""
+  spec = importlib.util.find_spec(target.split(":")[0])
+  if spec is None or spec.origin is None:
+    return ""
+  doc = (ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or "").strip()
+  first = doc.splitlines()[0] if doc else ""
+  return re.sub(r"^`asearcher [\w-]+`: ", "", first)
+
+
+def _short_selector(obj: Any) -> str:
+  """How gin files name an object: its module's last component, then its qualified name."""
+  return f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__qualname__}"
+
+
+def _docstring_entries(doc: str | None, section: str) -> dict[str, str]:
+  """`name: text` entries of a Google-style docstring section (continuations joined)."""
+  entries: dict[str, str] = {}
+  if not doc:
+    return entries
+  lines = inspect.cleandoc(doc).splitlines()
+  try:
+    start = next(i for i, line in enumerate(lines) if line.strip() == f"{section}:")
+  except StopIteration:
+    return entries
+  current = None
+  indent = None
+  for line in lines[start + 1 :]:
+    if not line.strip():
+      continue
+    width = len(line) - len(line.lstrip())
+    m = re.match(r"\s*(\w+(?:(?:, | / )\w+)*)( \(.*?\))?: (.*)", line)
+    if indent is None:
+      indent = width
+    if width < indent or (width == 0 and not m):
+      break
+    if m and width == indent:
+      current = re.split(r", | / ", m.group(1))  # "a, b: text" documents both
+      for name in current:
+        entries[name] = m.group(3).strip()
+    elif current is not None:
+      for name in current:
+        entries[name] += " " + line.strip()
+  return entries
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+  """Per dataclass field: the `#` comment lines just above it (or trailing it), else its entry
+  in the class docstring's `Attributes:` section."""
+  out = _docstring_entries(cls.__doc__, "Attributes")
+  try:
+    lines, _ = inspect.getsourcelines(cls)
+  except (OSError, TypeError):
+    return out
+  tree = ast.parse(textwrap.dedent("".join(lines)))
+  body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+  for node in body:
+    if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+      continue
+    i = node.lineno - 1  # 0-based line of the field in `lines`
+    above = []
+    j = i - 1
+    while j >= 0 and lines[j].strip().startswith("#"):
+      above.insert(0, lines[j].strip().lstrip("#").strip())
+      j -= 1
+    trailing = lines[i].split("  # ", 1)[1].strip() if "  # " in lines[i] else ""
+    text = " ".join(above) or trailing
+    if text:
+      out[node.target.id] = text
+  return out
+
+
+def _first_sentence(text: str, width: int = 100) -> str:
+  text = " ".join(text.split())
+  end = text.find(". ")
+  text = text if end < 0 else text[: end + 1]
+  return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _dataclass_types(annotation: Any) -> Iterator[type]:
+  """Project config dataclasses inside an annotation (`X`, `X | None`, `tuple[X, ...]`)."""
+  if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+    if annotation.__module__.startswith("asearcher_jax."):
+      yield annotation
+    return
+  for arg in typing.get_args(annotation):
+    yield from _dataclass_types(arg)
+
+
+def _hints(obj: Any) -> dict[str, Any]:
+  try:
+    return typing.get_type_hints(obj)
+  except Exception:  # an annotation that names a type only imported for type checkers
+    return {}
+
+
+def _format_default(value: Any) -> str:
+  if value is inspect.Parameter.empty or value is dataclasses.MISSING:
+    return "(required)"
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return f"@{_short_selector(type(value))}()"
+  return repr(value)
+
+
+def parameters(fn: Callable[..., Any]) -> list[Param]:
+  """Every bindable name of a subcommand: its own keyword arguments, then the fields of each
+  config dataclass reachable from them (each class once, in the order first met)."""
+  selector = _short_selector(fn)
+  meanings = _docstring_entries(fn.__doc__, "Args")
+  hints = _hints(fn)
+  out: list[Param] = []
+  queue: list[type] = []
+  for name, p in inspect.signature(fn).parameters.items():
+    out.append(Param(selector, name, _format_default(p.default),
+                     _first_sentence(meanings.get(name, ""))))  # fmt: skip
+    queue.extend(_dataclass_types(hints.get(name)))
+    if dataclasses.is_dataclass(p.default) and not isinstance(p.default, type):
+      queue.append(type(p.default))
+  seen: set[type] = set()
+  while queue:
+    cls = queue.pop(0)
+    if cls in seen:
+      continue
+    seen.add(cls)
+    comments, cls_hints = _field_comments(cls), _hints(cls)
+    for f in dataclasses.fields(cls):
+      if not f.init:
+        continue
+      default = f.default
+      if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+      out.append(Param(_short_selector(cls), f.name, _format_default(default),
+                       _first_sentence(comments.get(f.name, ""))))  # fmt: skip
+      queue.extend(_dataclass_types(cls_hints.get(f.name)))
+  return out
+
+
+def command_help(name: str, target: str, gin_files: list[Path], repo_root: Path) -> str:
+  """The full `asearcher NAME --help` text."""
+  module_name, fn_name = target.split(":")
+  fn = getattr(importlib.import_module(module_name), fn_name)
+  doc = inspect.cleandoc(fn.__doc__ or "").split("\n\nArgs:")[0].strip()
+  lines = [f"usage: asearcher {name} [--gin_file FILE]... [--gin_param BINDING]... "
+           "[--print_config] [--log_level LEVEL]", "", doc, ""]  # fmt: skip
+  if gin_files:
+    shown = [str(p.relative_to(repo_root)) if p.is_relative_to(repo_root) else str(p)
+             for p in gin_files]  # fmt: skip
+    lines.append("default gin files (used when no --gin_file is given): " + ", ".join(shown))
+  else:
+    lines.append("default gin files: none (every parameter keeps the default below)")
+  lines += ["", "parameters (bind with --gin_param='SELECTOR.NAME = VALUE' or in a gin file):"]
+  params = parameters(fn)
+  width = min(max(len(f"{p.selector}.{p.name} = {p.default}") for p in params), 60)
+  for p in params:
+    head = f"{p.selector}.{p.name} = {p.default}"
+    if len(head) > width:
+      lines.append(f"  {head}")
+      if p.meaning:
+        lines.append(f"  {'':{width}}  {p.meaning}")
+    else:
+      lines.append(f"  {head:{width}}  {p.meaning}".rstrip())
+  return "\n".join(lines)
+
+
+def gin_includes(path: Path, search: tuple[Path, ...]) -> list[Path]:
+  """`path` and the files it includes (recursively, in reading order), resolved like gin does."""
+  out = [path]
+  for line in path.read_text().splitlines():
+    m = re.match(r"\s*include\s+['\"](.+)['\"]", line)
+    if not m:
+      continue
+    for base in search:
+      candidate = Path(m.group(1)) if Path(m.group(1)).is_absolute() else base / m.group(1)
+      if candidate.is_file():
+        out += [p for p in gin_includes(candidate, search) if p not in out]
+        break
+  return out

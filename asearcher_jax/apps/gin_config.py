@@ -1,0 +1,216 @@
+"""Parses and checks a subcommand's gin configuration before anything runs.
+
+Every configuration mistake becomes one `ConfigError` line naming where it was made (file:line,
+or the `--gin_param` flag): a gin syntax error, an unknown module, selector or parameter, a value
+of the wrong type for the parameter's annotation, a value a config dataclass rejects (its
+`__post_init__`), a required parameter left unbound. Types are checked against the annotations,
+and bound config dataclasses are built once, here, so a typo costs no model load.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import importlib
+import inspect
+import re
+import tokenize
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import gin
+import gin.config
+import gin.resource_reader
+
+
+class ConfigError(Exception):
+  """A configuration mistake, as one line that names where it was made."""
+
+
+_LOCATION = re.compile(r'In file "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e).strip()
+  if isinstance(e, tokenize.TokenError) and e.args:
+    text = str(e.args[0])
+  first = text.splitlines()[0] if text else type(e).__name__
+  return first.rstrip(".")
+
+
+def _where(e: BaseException, source: str) -> str:
+  """file:line from gin's location note or a SyntaxError, else the source being parsed."""
+  m = _LOCATION.search(str(e))
+  if m:
+    return f"{m.group('file')}:{m.group('line')}"
+  if isinstance(e, SyntaxError) and e.lineno:
+    return f"{e.filename or source}:{e.lineno}"
+  if isinstance(e, tokenize.TokenError) and len(e.args) > 1:
+    return f"{source}:{e.args[1][0] - 1}"  # reported at the line after the open bracket ends
+  return source
+
+
+def use_package_paths(search: Sequence[Path]) -> None:
+  """Gin looks files up in `search` (the working directory, then the repository root), with
+  plain files only: its package-resource reader logs "Path not found" at ERROR for every
+  directory a file is not in."""
+  for path in search:
+    gin.add_config_file_search_path(str(path))
+  gin.config._FILE_READERS[:] = [  # gin has no public way to drop a reader
+    r for r in gin.config._FILE_READERS if r[0] is not gin.resource_reader.system_path_reader
+  ]
+
+
+def parse(files: Sequence[str], params: Sequence[str], module: str) -> None:
+  """gin.parse_config_files_and_bindings, one source at a time so an error names its source.
+  Each `--gin_param` is read with the files' imports and the subcommand's `module`, so a flag
+  names things as the gin files do (`index.build_index.k1`); gin alone would read it without
+  dynamic registration, where no such name exists."""
+  for f in files:
+    try:
+      gin.parse_config_file(f, skip_unknown=False)
+    except Exception as e:  # gin raises whatever its parser or the imports raise
+      raise ConfigError(f"{_where(e, f)}: {_one_line(e)}") from None
+  package, _, name = module.rpartition(".")
+  imports = [f"from {package} import {name}"]
+  imports += sorted(
+    s.format()
+    for s in gin.config._IMPORTS  # the files' imports
+    if not s.module.startswith("__gin__")
+  )
+  head = ["from __gin__ import dynamic_registration", *dict.fromkeys(imports)]
+  for p in params:
+    try:
+      gin.parse_config([*head, p], skip_unknown=False)
+    except Exception as e:
+      raise ConfigError(f"--gin_param={p!r}: {_one_line(e)}") from None
+  gin.finalize()
+
+
+# --- checks after parsing -------------------------------------------------------------------------
+
+
+def _resolve(selector: str) -> Any:
+  """The object a full gin selector ('pkg.module.Class') names."""
+  parts = selector.split(".")
+  for i in range(len(parts) - 1, 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:i]))
+    except ImportError:
+      continue
+    for attr in parts[i:]:
+      obj = getattr(obj, attr, None)
+    return obj
+  return None
+
+
+def locate(selector: str, name: str, files: Sequence[str], params: Sequence[str]) -> str:
+  """Where `selector.name` was bound last: the --gin_param flag, else file:line."""
+  tail = selector.split(".")
+
+  def matches(written: str) -> bool:
+    w = written.split("/")[-1].split(".")
+    return w[-1] == name and tail[-len(w) + 1 :] == w[:-1]
+
+  for p in reversed(params):
+    if matches(p.split("=", 1)[0].strip()):
+      return f"--gin_param={p!r}"
+  found = None
+  for f in files:
+    path = next((Path(b) / f for b in gin.config._LOCATION_PREFIXES
+                 if (Path(b) / f).is_file()), Path(f))  # fmt: skip
+    if not path.is_file():
+      continue
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+      m = re.match(r"\s*([\w./]+)\s*=", line)
+      if m and matches(m.group(1)):
+        found = f"{f}:{i}"
+  return found or "the configuration"
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+  """Whether a bound value fits an annotation (gin references and macros are not checked)."""
+  if annotation in (Any, object, inspect.Parameter.empty) or isinstance(
+    value,
+    gin.config.ConfigurableReference | gin.config._UnknownConfigurableReference,
+  ):
+    return True
+  origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+  if origin in (typing.Union, types.UnionType):
+    return any(_type_ok(value, a) for a in args)
+  if annotation is None or annotation is type(None):
+    return value is None
+  if origin is typing.Literal:
+    return value in args
+  if annotation is float:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+  if annotation is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if origin in (tuple, list, collections.abc.Sequence):
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+      return False
+    if origin is tuple and args and args[-1] is not Ellipsis:
+      return len(args) == len(value) and all(map(_type_ok, value, args))
+    return not args or all(_type_ok(v, args[0]) for v in value)
+  if origin in (dict, collections.abc.Mapping):
+    return isinstance(value, dict)
+  if isinstance(annotation, type):
+    return isinstance(value, annotation)
+  return True  # TypeVars, callables, protocols: not ours to judge
+
+
+def _hints(obj: Any) -> dict[str, Any]:
+  try:
+    return typing.get_type_hints(obj)
+  except Exception:
+    return {}
+
+
+def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str]) -> None:
+  """Type-checks every binding, builds every bound config dataclass once (its own checks run),
+  and checks that the subcommand's required parameters are bound."""
+  config = dict(gin.config._CONFIG)  # ({(scope, selector): {name: value}})
+  for (_, selector), bindings in config.items():
+    obj = _resolve(selector)
+    if obj is None or selector.startswith("gin."):
+      continue
+    hints = _hints(obj)
+    short = ".".join(selector.split(".")[-2:])
+    for name, value in bindings.items():
+      if name in hints and not _type_ok(value, hints[name]):
+        where = locate(selector, name, files, params)
+        raise ConfigError(
+          f"{where}: {short}.{name} = {value!r}: expected {_type_name(hints[name])}"
+        )
+    if dataclasses.is_dataclass(obj) and isinstance(obj, type):
+      try:
+        gin.get_configurable(obj)()
+      except TypeError as e:
+        if "required" in str(e):
+          continue  # fields without defaults come from the code that builds it
+        raise ConfigError(_at(e, selector, bindings, files, params, short)) from None
+      except ValueError as e:
+        raise ConfigError(_at(e, selector, bindings, files, params, short)) from None
+  target = f"{fn.__module__}.{fn.__qualname__}"
+  bound = set(config.get(("", target), {}))
+  for name, p in inspect.signature(fn).parameters.items():
+    if p.default is inspect.Parameter.empty and name not in bound:
+      short = ".".join(target.split(".")[-2:])
+      raise ConfigError(
+        f"{short}.{name} is required: bind it, e.g. --gin_param='{short}.{name} = ...'"
+      )
+
+
+def _at(e: Exception, selector: str, bindings: dict, files: Sequence[str],
+        params: Sequence[str], short: str) -> str:  # fmt: skip
+  """One line for a value a config class rejected, at the binding its message names."""
+  message = _one_line(e)
+  name = next((n for n in bindings if n in message), next(iter(bindings), ""))
+  return f"{locate(selector, name, files, params)}: {short}: {message}"
+
+
+def _type_name(annotation: Any) -> str:
+  return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
