@@ -28,11 +28,7 @@ def build_index(
   add_shipped_corpus: bool = False,
   index_dir: str | None = None,
   backend: str = "bm25",
-  stemmer: str | None = "english",
-  stopwords: str | None = "en",
-  k1: float = 1.5,
-  b: float = 0.75,
-  method: str = "lucene",
+  bm25: BM25Config = BM25Config(),
   pages_file: str | None = None,
   encoder: str | None = None,
   force: bool = False,
@@ -51,11 +47,7 @@ def build_index(
     index_dir: where the index goes; None: the shipped corpus's default ($ASEARCHER_HOME or
       ~/.cache/asearcher_jax, index/default-bm25).
     backend: "bm25" (bm25s, the default) or "dense" (an encoder, see `encoder`).
-    stemmer: BM25 stemmer language (PyStemmer), None: no stemming.
-    stopwords: BM25 stopword list ("en"), None: keep every word.
-    k1: BM25 term-frequency saturation.
-    b: BM25 document-length normalisation.
-    method: the BM25 variant ("lucene", "robertson", "atire", "bm25l", "bm25+").
+    bm25: the BM25 settings (stemmer, stopwords, k1, b, variant; `index.BM25Config.*`).
     pages_file: whole pages for `access` (.jsonl rows {"url", "contents", "title"?}, ASearcher's
       wiki_webpages.jsonl); None: the passages of each URL joined in corpus order.
     encoder: the dense backend's encoder spec.
@@ -72,7 +64,7 @@ def build_index(
     corpus=paths,
     index_dir=out,
     backend=backend,
-    bm25=BM25Config(stemmer=stemmer, stopwords=stopwords, k1=k1, b=b, method=method),
+    bm25=bm25,
     pages_file=Path(pages_file) if pages_file else None,
     encoder=encoder,
     force=force,

@@ -75,7 +75,7 @@ def test_subcommand_help_as_a_process(tmp_path, name):
 GIN_HEAD = "from __gin__ import dynamic_registration\nfrom asearcher_jax.apps import index\n"
 
 CASES = {
-  "syntax": (GIN_HEAD + "index.build_index.k1 = [1\n", [], "bad.gin:3", "EOF"),
+  "syntax": (GIN_HEAD + "index.BM25Config.k1 = [1\n", [], "bad.gin:3", "EOF"),
   "unknown_selector": (GIN_HEAD + "index.build_indx.k1 = 1\n", [], "bad.gin:3", "build_indx"),
   "unknown_module": (
     "from __gin__ import dynamic_registration\nfrom asearcher_jax.apps import indx\n",
@@ -85,10 +85,10 @@ CASES = {
   ),
   "unknown_parameter": (GIN_HEAD + "index.build_index.kk = 1\n", [], "bad.gin:3", "'kk'"),
   "wrong_type_in_file": (
-    GIN_HEAD + "index.build_index.force = False\nindex.build_index.k1 = 'high'\n",
+    GIN_HEAD + "index.build_index.force = False\nindex.BM25Config.k1 = 'high'\n",
     [],
     "bad.gin:4",
-    "build_index.k1 = 'high': expected float",
+    "BM25Config.k1 = 'high': expected float",
   ),
   "wrong_type_in_flag": (
     GIN_HEAD,
@@ -105,7 +105,7 @@ CASES = {
     "bad.gin:5",
     "kv_on_update must be one of",
   ),
-  "flag_syntax": (GIN_HEAD, ["index.build_index.k1 = (1"], "--gin_param='index.build_index.k1", ""),
+  "flag_syntax": (GIN_HEAD, ["index.BM25Config.k1 = (1"], "--gin_param='index.BM25Config.k1", ""),
   "flag_unknown_class": (GIN_HEAD, ["index.BM25Confg.k1 = 1"], "--gin_param=", "BM25Confg"),
   "missing_file": (None, [], "nope.gin", "Unable to open file"),
 }
