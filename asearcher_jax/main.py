@@ -4,6 +4,11 @@ This is the only module that imports gin or parses flags. Each subcommand is a p
 function taking keyword arguments; gin files bind those arguments (dynamic registration) and this
 module calls the configured function. With no `--gin_file`, `gin/runs/<subcommand>.gin` is used
 when it exists, so `asearcher demo` works as is.
+
+Before the subcommand runs (and so before any jax array exists) the process joins its
+multi-process program, if it is one: `distributed.DistributedConfig` bound in gin
+(`distributed.DistributedConfig.num_processes = 2`, ...) or the JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID environment; automatic on a Cloud TPU VM.
 """
 
 from __future__ import annotations
@@ -80,6 +85,18 @@ def configure(subcommand: str, gin_files: Sequence[str], gin_params: Sequence[st
   return gin.get_configurable(fn)
 
 
+def distributed_config():
+  """The gin-bound `DistributedConfig` (library defaults when no gin file binds it)."""
+  import gin
+
+  from asearcher_jax.distributed import DistributedConfig
+
+  try:
+    return gin.get_configurable(DistributedConfig)()
+  except ValueError:  # not in the gin registry: nothing binds it
+    return DistributedConfig()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parse_args(sys.argv[1:] if argv is None else argv)
   logging.basicConfig(
@@ -90,6 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     fn = configure(args.subcommand, args.gin_file, args.gin_param)
   except (OSError, ValueError) as e:  # gin reports unknown files/bindings as these
+    print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
+    return 2
+  from asearcher_jax import distributed
+
+  try:
+    distributed.initialize(distributed_config())
+  except ValueError as e:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
   if args.print_config:
