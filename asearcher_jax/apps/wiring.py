@@ -14,6 +14,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from jax.sharding import Mesh
+
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.loading import load_policy
 from asearcher_jax.model.transformer import Transformer
@@ -55,10 +57,12 @@ def policy(
   model: ModelConfig | None = None,
   tokenizer_dir: str | None = None,
   seed: int = 0,
+  mesh: Mesh | None = None,
 ) -> Policy:
-  """A Hugging Face checkpoint (`model_dir`), else a random `model` (default qwen2-tiny) of
-  init `seed`; the tokenizer from `tokenizer_dir`, else the checkpoint's, else Qwen2's."""
-  module, tokenizer, what = load_policy(model_dir, model, tokenizer_dir, seed)
+  """A Hugging Face checkpoint (`model_dir`; with `mesh`, read straight into its shardings),
+  else a random `model` (default qwen2-tiny) of init `seed`; the tokenizer from
+  `tokenizer_dir`, else the checkpoint's, else Qwen2's."""
+  module, tokenizer, what = load_policy(model_dir, model, tokenizer_dir, seed, mesh=mesh)
   log.info("policy: %s", what)
   return Policy(
     module=module, tokenizer=tokenizer, description=what, pretrained=model_dir is not None

@@ -144,7 +144,7 @@ def load(
     flat_shardings = dict(nnx.to_flat_state(shardings))
   else:
     flat_shardings = {}
-  single = SingleDeviceSharding(jax.devices()[0])
+  single = SingleDeviceSharding(jax.local_devices()[0])  # this process's own first device
   used: set[str] = set()
   flat = nnx.to_flat_state(state)
   for path, var in flat:

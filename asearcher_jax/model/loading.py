@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from flax import nnx
+from jax.sharding import Mesh
 
 from asearcher_jax.model import hf_io, presets, transformer
 from asearcher_jax.model.config import ModelConfig
@@ -32,13 +33,20 @@ class PolicyConfig:
 
 
 def load_policy(
-  model_dir: str | None, model: ModelConfig | None, tokenizer_dir: str | None, seed: int = 0
+  model_dir: str | None,
+  model: ModelConfig | None,
+  tokenizer_dir: str | None,
+  seed: int = 0,
+  *,
+  mesh: Mesh | None = None,
 ) -> tuple[transformer.Transformer, Tokenizer, str]:
   """(model, tokenizer, description): a HF checkpoint, or a random model of `model` (default
   qwen2-tiny) that is written nowhere. The tokenizer comes from `tokenizer_dir`, else from
-  `model_dir` when it holds tokenizer files, else the packaged Qwen2 vocabulary."""
+  `model_dir` when it holds tokenizer files, else the packaged Qwen2 vocabulary. With `mesh`, a
+  checkpoint's tensors are read straight into their shardings on it (each process reads only
+  its own slices); a random model starts on this process's first device either way."""
   if model_dir is not None:
-    policy, cfg = hf_io.load(model_dir)
+    policy, cfg = hf_io.load(model_dir, mesh=mesh)
     what = f"{model_dir} ({cfg.model_type}, {cfg.num_layers} layers)"
   else:
     cfg = model or presets.model_config(name="qwen2-tiny")

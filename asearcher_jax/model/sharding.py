@@ -98,6 +98,8 @@ def put(tree, shardings):
     return jax.device_put(tree, shardings)
 
   def one(x, sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global (hf_io.load)
+      return x if x.sharding == sharding else jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

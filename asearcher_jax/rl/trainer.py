@@ -181,7 +181,7 @@ class Trainer:
       self.staleness.restore(version=version, queued=len(self.replay) + self.replay.num_leased)
     if self.rollout is not None and meta.get("rollout") is not None:
       self.rollout.load_state_dict(meta["rollout"], queued_ids=self.replay.pending_ids())
-    self._sync()  # the engine samples the restored policy
+    self.publish()  # the engine samples the restored policy
     log.info("resumed at version %d", version)
     return version
 
@@ -245,7 +245,7 @@ class Trainer:
     version_before = self.learner.version
     metrics = self._train(groups)
     t2 = time.perf_counter()
-    metrics.update(self._sync())
+    metrics.update(self.publish())
     t3 = time.perf_counter()
     metrics.update(self._checkpoint())
     t4 = time.perf_counter()
@@ -320,8 +320,8 @@ class Trainer:
     self.trained_ids.append(ids)
     return metrics
 
-  def _sync(self) -> dict[str, float]:
-    """Publishes the new version. Several processes: the parameters are gathered to host memory
+  def publish(self) -> dict[str, float]:
+    """Publishes the learner's version to the samplers (every process calls it). Several: the parameters are gathered to host memory
     on every process (a collective, so all take part) and the lead's weight sync writes them;
     a sharded weights store would let each process write its own shards instead."""
     if not self.multi:
