@@ -231,3 +231,26 @@ def test_mesh_config_fills_and_validates():
     MeshConfig(data=-1, fsdp=-1)
   with pytest.raises(ValueError, match="needs 16 devices"):
     MeshConfig(data=2, fsdp=4, tensor=2).build()
+
+
+def test_pod_recipe_binds_the_bootstrap_and_the_mesh():
+  """main.py reads the DistributedConfig the gin files bind (library defaults when none does)
+  and `asearcher train` gets the mesh."""
+  import gin
+
+  from asearcher_jax import main
+  from asearcher_jax.apps.train_config import TrainConfig
+
+  try:
+    fn = main.configure("train", [str(REPO / "gin/runs/train_pod.gin")], [])
+    cfg = main.distributed_config()
+    assert cfg.initialization_timeout_s == 600 and cfg.num_processes is None
+    train_cfg = gin.get_configurable(TrainConfig)()
+    assert train_cfg.mesh == MeshConfig(data=1, fsdp=-1, tensor=1)
+    assert dict(train_cfg.learner_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert callable(fn)
+    gin.clear_config()
+    main.configure("train", [], [])
+    assert main.distributed_config() == distributed.DistributedConfig()
+  finally:
+    gin.clear_config()
