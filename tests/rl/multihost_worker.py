@@ -7,7 +7,8 @@ the real staleness rule and pushed into the real replay queue, refilled whenever
 published (as an engine whose episodes finish between two steps would), so a run's groups,
 their token versions and the counters depend on the step sequence alone, never on timing. It is
 also the lead's weight sync: every published version's parameters are written to
-`out/params_v<version>.npz`, the oracle the test compares across process layouts.
+`out/params_v<version>.npz`, the oracle the test compares across process layouts. With
+"export", the final policy is also saved as a Hugging Face checkpoint (`hf_io.save`).
 
 Run: python -m tests.rl.multihost_worker '<json spec>' (see `test_multihost.worker_spec`).
 """
@@ -158,6 +159,10 @@ def main(spec: dict) -> None:
       time.sleep(600)  # the test SIGKILLs every process here
 
   trainer.run(on_step=on_step)
+  if spec.get("export"):  # every process takes part (gathers); process 0 alone writes
+    from asearcher_jax.model import hf_io
+
+    hf_io.save(nnx.merge(graphdef, learner.params), run / "export")
   ckpt.close()
   writer.close()
   result = {

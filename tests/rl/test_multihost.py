@@ -22,10 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from asearcher_jax import distributed
+from asearcher_jax.model import hf_io
 from asearcher_jax.model.sharding import MeshConfig
 from tests.rl.test_trainer_e2e import pending_on_disk, replay_logs
 
@@ -162,7 +165,7 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
     kill(procs)  # SIGKILL both mid-run: step 3 is trained but in no checkpoint
 
   # --- life 2: the same command again resumes from checkpoint 2 ----------------------------------
-  procs = launch(run_dir, 2)
+  procs = launch(run_dir, 2, export=True)
   finish(run_dir, procs, timeout=300)
   lead, follower = (json.loads((run_dir / "out" / f"result_{i}.json").read_text()) for i in (0, 1))
   assert lead["resumed"] == CHECKPOINT_EVERY == follower["resumed"]
@@ -181,6 +184,12 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
   assert len(pushed) == len(set(pushed))
   assert sorted(pushed) == sorted(committed + pending_on_disk(run_dir / "replay"))
   assert replay_logs(reference / "replay") == (pushed, committed, discarded)
+  # The HF export of the final policy: tensors sharded over both processes were gathered, and
+  # the checkpoint process 0 wrote loads back to the same parameters.
+  model, _ = hf_io.load(run_dir / "export")
+  _, state = nnx.split(model)
+  exported = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
+  assert_params_close(exported, params(reference, STEPS))
 
 
 # --- fast checks of the bootstrap -------------------------------------------------------------
