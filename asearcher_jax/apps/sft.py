@@ -21,7 +21,7 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -70,11 +70,11 @@ def resolve_model_config(
   return model
 
 
-def build_mesh(mesh: sharding_lib.MeshConfig | None, num_devices: int | None):
-  """A (data, fsdp, tensor) mesh over the first num_devices devices (None: all); mesh None
-  puts every device on fsdp."""
+def build_mesh(mesh_shape: Mapping[str, int] | None, num_devices: int | None):
+  """A (data, fsdp, tensor) mesh over the first num_devices devices (None: all); mesh_shape
+  None puts every device on fsdp."""
   devices = jax.devices()[:num_devices] if num_devices else jax.devices()
-  return (mesh or sharding_lib.MeshConfig()).build(devices)
+  return sharding_lib.make_mesh(**dict(mesh_shape or {"fsdp": -1}), devices=devices)
 
 
 def sft(
@@ -87,7 +87,7 @@ def sft(
   vocab_multiple: int = 64,
   config: SFTConfig | None = None,
   optimizer: steps.OptimizerConfig | None = None,
-  mesh: sharding_lib.MeshConfig | None = None,
+  mesh_shape: Mapping[str, int] | None = None,
   num_devices: int | None = None,
   export_dtype: str | None = None,
   init_seed: int = 0,
@@ -106,8 +106,7 @@ def sft(
     vocab_multiple: a preset's vocab_size is the tokenizer's size rounded up to this.
     config: steps, batch shape, eval/log/checkpoint cadence, data seed; None: SFTConfig().
     optimizer: AdamW settings; None: `sft.default_optimizer(config.steps)`.
-    mesh: the (data, fsdp, tensor) sizes (`sharding.MeshConfig`, one may be -1); None: all
-      devices on fsdp.
+    mesh_shape: {"data": d, "fsdp": f, "tensor": t} (one may be -1); None: all devices on fsdp.
     num_devices: use the first this many devices (None: all).
     export_dtype: dtype of the exported weights (None: the parameters' dtype).
     init_seed: seed of the random init.
@@ -119,7 +118,7 @@ def sft(
   out.mkdir(parents=True, exist_ok=True)
   tok_dir = resolve_tokenizer_dir(tokenizer_dir, model_dir)
   tokenizer = Tokenizer.from_dir(tok_dir)
-  mesh = build_mesh(mesh, num_devices)
+  mesh = build_mesh(mesh_shape, num_devices)
 
   # data: read, hash, split by trajectory, sequences
   paths = [trajectories] if isinstance(trajectories, str) else list(trajectories)

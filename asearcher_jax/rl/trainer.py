@@ -77,6 +77,10 @@ class TrainerConfig:
   blocking_checkpoints: wait for each checkpoint to be written before the next step (the old
     behaviour, for side-by-side measurements); False: the next step runs while Orbax writes and
     only the replay commit waits for the save.
+  gather_weights: with several processes, gather the parameters to host memory on every
+    process and let process 0's weight sync publish them whole (a sync that needs whole
+    tensors); False: every process calls its own weight sync (the sharded weight store,
+    `serving.weights_dir`: each process writes the shards it holds, nothing is gathered).
   """
 
   train_steps: int
@@ -85,6 +89,7 @@ class TrainerConfig:
   poll_s: float = 1.0
   checkpoint_every: int = 1
   blocking_checkpoints: bool = False
+  gather_weights: bool = False
 
   def __post_init__(self):
     if self.train_steps < 0 or self.batch_groups < 1:
@@ -130,6 +135,11 @@ class Trainer:
     self.multi = distributed.multi_process()
     if self.lead and None in (replay, staleness, weight_sync):
       raise ValueError("the lead trainer process needs a replay queue, staleness and weight sync")
+    if self.multi and not config.gather_weights and weight_sync is None:
+      raise ValueError(
+        f"trainer process {jax.process_index()} has no weight sync: with gather_weights=False "
+        "every process publishes the shards it holds"
+      )
     if not self.lead and (replay is not None or rollout is not None):
       raise ValueError(
         f"trainer process {jax.process_index()} got a replay queue or rollout controller: "
@@ -321,10 +331,10 @@ class Trainer:
     return metrics
 
   def publish(self) -> dict[str, float]:
-    """Publishes the learner's version to the samplers (every process calls it). Several: the parameters are gathered to host memory
-    on every process (a collective, so all take part) and the lead's weight sync writes them;
-    a sharded weights store would let each process write its own shards instead."""
-    if not self.multi:
+    """Publishes the learner's version to the samplers; every process calls it. Several
+    processes: each process's weight sync writes its own shards, or with `gather_weights` the
+    parameters are gathered to host memory (a collective) and the lead's sync writes them."""
+    if not self.multi or not self.config.gather_weights:
       return self.weight_sync.publish(self.learner)
     t0 = time.perf_counter()
     host = distributed.gather_to_host(self.learner.params_copy())

@@ -143,6 +143,7 @@ def main(spec: dict) -> None:
   trainer = Trainer(
     config=TrainerConfig(
       train_steps=spec["steps"], batch_groups=batch, poll_s=0.2, batch_timeout_s=120,
+      gather_weights=True,  # the scripted sync records whole tensors on the lead
       checkpoint_every=spec["checkpoint_every"],
     ),
     learner=learner, replay=replay, staleness=staleness, weight_sync=rollout,
