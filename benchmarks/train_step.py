@@ -9,7 +9,7 @@ it also reports MFU against that peak.
 
 `--dtype bfloat16` is mixed precision: float32 parameters and Adam moments, bfloat16 activations
 and matmul inputs. On an accelerator the default configs add the real Qwen2.5-0.5B architecture
-(random init, remat, one 2,048-token row per device); on CPU that config is opt-in
+(random init, remat, 4 rows of 2,048 tokens); on CPU that config is opt-in
 (`--configs qwen2.5-0.5b`: ~8 GB of host memory). It also measures the cost of a checkpoint
 after every step (params + Adam state through Orbax), async as the trainer writes them and
 blocking, side by side. The last line is one JSON object.

@@ -1,8 +1,9 @@
 """Every agent by name, so training, evaluation and synthesis build the same agents the same way.
 
 An agent is built from a generation client, a tokenizer and a toolbox (never from weights), with
-its own frozen config. Names are what gin binds (`agent_name="reasoning"`); the older evaluation
-spellings stay accepted so existing run directories and gin files keep working.
+its own frozen config. Names are what gin binds (`train_config.AgentChoice.name`,
+`commands.evaluate.agent`); the older evaluation spellings stay accepted so existing run
+directories and gin files keep working.
 """
 
 from __future__ import annotations

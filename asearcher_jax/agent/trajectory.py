@@ -126,7 +126,7 @@ PER_TOKEN_FIELDS = ("tokens", "loss_mask", "logprobs", "versions")
 
 
 class TrainingSequence(Mapping[str, np.ndarray]):
-  """Per-token arrays of one training sequence, a Mapping so `rl.packing.pack` takes it as is;
+  """Per-token arrays of one training sequence, a Mapping so `model.packing.pack` takes it as is;
   `stop_reason` and `calls` (indices of the LLM calls merged into it) ride along as attributes."""
 
   def __init__(

@@ -1,8 +1,8 @@
 """`asearcher demo`: the foundation end to end on one machine, in about a minute.
 
-Until the quickstart exists this is the main job. It exercises every piece a later stage builds
-on: a Qwen-architecture policy written and re-read as a Hugging Face checkpoint, the real Qwen2
-tokenizer and chat format, a device mesh, packed scoring, prefill + decode against the KV cache,
+A smoke test of the foundation (the main job is `asearcher quickstart`). It exercises every
+piece the later stages build on: a Qwen-architecture policy written and re-read as a Hugging
+Face checkpoint, the real Qwen2 tokenizer and chat format, a device mesh, packed scoring, prefill + decode against the KV cache,
 a few jitted AdamW steps that visibly fit the demo texts, and an Orbax checkpoint round trip.
 """
 

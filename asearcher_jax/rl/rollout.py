@@ -32,9 +32,16 @@ from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.data.qa import QAExample
 from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
+from asearcher_jax.rl.episodes import EpisodeLog
 from asearcher_jax.rl.inflight import EpisodeJournal, GroupJournal, JournalClient, JournalToolBox
 from asearcher_jax.rl.replay import Group, ReplayQueue
-from asearcher_jax.rl.scoring import RolloutStats, Scorer, answer_scorer, score_group
+from asearcher_jax.rl.scoring import (
+  GroupScores,
+  RolloutStats,
+  Scorer,
+  answer_scorer,
+  score_group,
+)
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.serving.types import GenerationClient
 
@@ -129,8 +136,11 @@ class RolloutController:
     replay: ReplayQueue,
     scorer: Scorer | None = None,
     engine_stats: Callable[[], Mapping[str, float]] | None = None,
+    episode_log: EpisodeLog | None = None,
   ) -> None:
+    """`episode_log`: exports every finished episode for inspection (`rl.episodes`)."""
     self.config = config
+    self.episode_log = episode_log
     self.items = list(items)
     self.agents = agents
     self.staleness = staleness
@@ -383,6 +393,7 @@ class RolloutController:
     if outcome.usable >= 2 and isinstance(self.cursor, CurriculumCursor):
       with self._lock:
         self.cursor.observe(index, mixed=outcome.advantages is not None)
+    await self._export(key, item, trajs, (version, self.staleness.version), outcome)
     lengths = [sum(s.num_tokens for s in t.training_sequences()) for t in ran]
     if outcome.rejection is not None:
       self._count(groups_rejected=1, **{outcome.rejection: 1})
@@ -419,6 +430,18 @@ class RolloutController:
     # the trainer is fed only if this stays under ~(eta + 1) training steps (Little's law).
     self._sample(group_s=time.time() - created)
     return True
+
+  async def _export(self, key: str, item: QAExample, trajs: Sequence[Trajectory | None],
+                    versions: tuple[int, int], outcome: GroupScores) -> None:  # fmt: skip
+    """Appends the group's episodes to the episode log; a failure is logged, never fatal."""
+    if self.episode_log is not None:
+      try:
+        await asyncio.wait_for(asyncio.to_thread(
+          self.episode_log.append_group, group_id=f"{key}/{item.id}", qid=item.id,
+          trajectories=trajs, versions=versions, scores=outcome.scores,
+          advantages=outcome.advantages, rejection=outcome.rejection), 60)  # fmt: skip
+      except Exception:
+        log.exception("episode export failed for group %s", key)
 
   async def _push(self, group: Group) -> bool:
     """`replay.push` on a worker thread in short slices (a full queue must not delay stop())."""

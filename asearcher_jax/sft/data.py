@@ -3,7 +3,7 @@
 Training sequences come from `Trajectory.training_sequences()` (the prefix-merge rule), so SFT
 trains on exactly the token ids the expert's engine calls saw and produced, with loss on the
 generated tokens only. Batches are [rows_per_batch, row_len] with segment ids and per-segment
-positions (`rl.packing`), so the jitted step compiles once. Each epoch packs all sequences with
+positions (`model.packing`), so the jitted step compiles once. Each epoch packs all sequences with
 first-fit-decreasing, shuffles the rows with a seed derived from (seed, epoch) and cuts them into
 batches: the plan of step k is a pure function of (data, config, k), which is what makes resume
 exact without storing a data cursor.

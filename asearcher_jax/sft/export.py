@@ -1,6 +1,6 @@
 """The artefacts of an SFT run: a Hugging Face model directory, a JSON summary, a model card.
 
-The model directory is what `hf_io.load`, the engine and `asearcher train --model_dir` start
+The model directory is what `hf_io.load`, the engine and `asearcher train` (`commands.train.model_dir`) start
 from: config.json + safetensors (`hf_io.save`) plus a copy of the tokenizer files, so the
 directory is self-contained (`model.loading.load_policy` takes the tokenizer from it).
 """

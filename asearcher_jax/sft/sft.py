@@ -4,7 +4,7 @@ The loss is the mean NLL of the generated tokens only (loss_mask = 1), computed 
 the step is `model.steps.train_step` (AdamW, clipping, schedule, donated state, explicit mesh
 shardings), so SFT and RL share one optimizer path. `SFTTrainer` is a thin orchestrator with
 named phases: restore -> (batch -> step -> log -> eval -> checkpoint)* -> final eval. The data
-plan of step k is a pure function of k (see `training.data`), so resuming from a checkpoint
+plan of step k is a pure function of k (see `sft.data`), so resuming from a checkpoint
 continues with exactly the batches an uninterrupted run would have seen.
 """
 

@@ -5,7 +5,7 @@ of an LLM. In a procedural world they have exact answers, which both gate what a
 measure how often the LLM checks are right. The `Oracle` protocol is all the loop needs;
 `TripleOracle` implements it for any world that is a set of (subject, relation, value) facts plus a
 parser that reads the world's fact sentences back out of text -- which is what SynthWiki has
-(`synthwiki_world.parse_facts` / `render_fact`).
+(`synthwiki.world.parse_facts` / `render_fact`).
 
 How a question becomes a query: its statements are parsed into triples; every entity named in a
 statement but not in the question text (the answer, and bridge entities that injection replaced

@@ -15,7 +15,7 @@ from asearcher_jax.tools.retrieval.corpus import PageStore
 
 
 def synthwiki_oracle(world: Any) -> TripleOracle:
-  """The exact oracle of a `synthwiki_world.World` (intro "kind" facts included)."""
+  """The exact oracle of a `synthwiki.world.World` (intro "kind" facts included)."""
   from asearcher_jax.synthwiki.world import parse_facts
 
   facts = []
