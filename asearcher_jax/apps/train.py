@@ -51,7 +51,7 @@ from asearcher_jax.rl.rollout import AgentSource, RolloutController
 from asearcher_jax.rl.scoring import Scorer, answer_scorer
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
-from asearcher_jax.rl.weight_sync import InProcessWeightSync
+from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, InProcessWeightSync
 from asearcher_jax.serving.client import RemoteClientConfig
 from asearcher_jax.serving.driver import Driver
 from asearcher_jax.serving.engine import Engine
@@ -167,7 +167,7 @@ def build_run(
     mesh=config.learner_mesh(),
   )
   if jax.process_index() > 0:
-    return _follower_run(config, run, policy, learner)
+    return _follower_run(config, run, policy, learner, graphdef)
   staleness = StalenessManager(config.staleness)
   if remote_cfg.enabled:
     client_cfg = remote_cfg.client or RemoteClientConfig(
@@ -237,15 +237,19 @@ def build_run(
 
 
 def _follower_run(
-  config: TrainConfig, run: Path, policy: wiring.Policy, learner: Learner
+  config: TrainConfig, run: Path, policy: wiring.Policy, learner: Learner, graphdef: nnx.GraphDef
 ) -> TrainRun:
   """A non-lead process of a multi-process trainer: its share of the learner, the checkpoint
-  (Orbax writes every process's shards) and a trainer fed by process 0's batches."""
+  and the weight store (each writes the shards its devices hold) and a trainer fed by process
+  0's batches."""
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(None)  # metrics are process 0's
+  publisher = DirectoryWeightPublisher(
+    config.remote.weights_dir, graphdef, staleness=None, config=config.remote.sync
+  )
   trainer = Trainer(
     config=_trainer_config(config), learner=learner, replay=None, staleness=None,
-    weight_sync=None, checkpointer=ckpt, writer=writer,
+    weight_sync=publisher, checkpointer=ckpt, writer=writer,
   )  # fmt: skip
   return TrainRun(
     config=config, tokenizer=policy.tokenizer, engine=None, driver=None, learner=learner,

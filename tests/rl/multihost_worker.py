@@ -7,8 +7,11 @@ the real staleness rule and pushed into the real replay queue, refilled whenever
 published (as an engine whose episodes finish between two steps would), so a run's groups,
 their token versions and the counters depend on the step sequence alone, never on timing. It is
 also the lead's weight sync: every published version's parameters are written to
-`out/params_v<version>.npz`, the oracle the test compares across process layouts. With
-"export", the final policy is also saved as a Hugging Face checkpoint (`hf_io.save`).
+`out/params_v<version>.npz`, the oracle the test compares across process layouts (the
+parameters are gathered to process 0 for it: `TrainerConfig.gather_weights`). With "store",
+every process publishes instead into the sharded weight store (`rl.weight_sync`
+DirectoryWeightPublisher, float32) at run/weights, writing the shards it holds. With "export",
+the final policy is also saved as a Hugging Face checkpoint (`hf_io.save`).
 
 Run: python -m tests.rl.multihost_worker '<json spec>' (see `test_multihost.worker_spec`).
 """
@@ -60,6 +63,7 @@ class ScriptedRollout:
       staleness, replay, total, vocab, out,
     )  # fmt: skip
     self.next = 0
+    self.store = None  # a DirectoryWeightPublisher: publish there instead of recording
 
   def resume_from(self, replay_dir: Path) -> None:
     """The cursor after a restart: one past every group the groups log ever recorded."""
@@ -77,9 +81,12 @@ class ScriptedRollout:
   def publish(self, learner) -> dict[str, float]:
     import jax
 
-    params = jax.device_get(learner.params_copy())
-    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(params)}
-    np.savez(self.out / f"params_v{learner.version}.npz", **flat)
+    if self.store is not None:
+      self.store.publish(learner)
+    else:
+      params = jax.device_get(learner.params_copy())
+      flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(params)}
+      np.savez(self.out / f"params_v{learner.version}.npz", **flat)
     self.staleness.set_version(learner.version)
     self.fill()
     return {}
@@ -109,6 +116,7 @@ def main(spec: dict) -> None:
   from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
   from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
   from asearcher_jax.rl.trainer import Trainer, TrainerConfig
+  from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, WeightSyncConfig
 
   assert jax.process_count() == spec["num_processes"], jax.process_count()
   assert jax.device_count() == 8, jax.devices()
@@ -138,15 +146,20 @@ def main(spec: dict) -> None:
       staleness=staleness, replay=replay, total=spec["total_groups"], vocab=cfg.vocab_size, out=out
     )
     rollout.resume_from(run / "replay")
+  store = None
+  if spec.get("store"):  # every process publishes the shards it holds
+    store = DirectoryWeightPublisher(run / "weights", graphdef, config=WeightSyncConfig(dtype=None))
+    if lead:
+      rollout.store = store
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "ckpt"), max_to_keep=3))
   writer = MetricWriter(run / "metrics", tensorboard=False)
   trainer = Trainer(
     config=TrainerConfig(
       train_steps=spec["steps"], batch_groups=batch, poll_s=0.2, batch_timeout_s=120,
-      gather_weights=True,  # the scripted sync records whole tensors on the lead
       checkpoint_every=spec["checkpoint_every"],
+      gather_weights=store is None,  # the scripted sync records whole tensors on the lead
     ),
-    learner=learner, replay=replay, staleness=staleness, weight_sync=rollout,
+    learner=learner, replay=replay, staleness=staleness, weight_sync=rollout if lead else store,
     checkpointer=ckpt, writer=writer,
   )  # fmt: skip
   resumed = trainer.restore()

@@ -30,6 +30,7 @@ from flax import nnx
 from asearcher_jax import distributed
 from asearcher_jax.model import hf_io
 from asearcher_jax.model.sharding import MeshConfig
+from asearcher_jax.serving.weights_dir import load_version, version_dir, versions
 from tests.rl.test_trainer_e2e import pending_on_disk, replay_logs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,6 +102,11 @@ def params(run_dir: Path, version: int) -> dict[str, np.ndarray]:
     return dict(f)
 
 
+def flat_params(state) -> dict[str, np.ndarray]:
+  """The worker's npz layout: keystr of every leaf path -> array."""
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
+
+
 def assert_params_close(got: dict, want: dict) -> None:
   assert sorted(got) == sorted(want)
   worst = max(float(np.abs(got[k] - want[k]).max()) for k in want)
@@ -165,7 +171,7 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
     kill(procs)  # SIGKILL both mid-run: step 3 is trained but in no checkpoint
 
   # --- life 2: the same command again resumes from checkpoint 2 ----------------------------------
-  procs = launch(run_dir, 2, export=True)
+  procs = launch(run_dir, 2, export=True, store=True)
   finish(run_dir, procs, timeout=300)
   lead, follower = (json.loads((run_dir / "out" / f"result_{i}.json").read_text()) for i in (0, 1))
   assert lead["resumed"] == CHECKPOINT_EVERY == follower["resumed"]
@@ -173,7 +179,10 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
   # The groups of step 3 (lost with the processes) are trained again, then the rest, in the
   # reference's order; the follower trained exactly the lead's batches.
   assert lead["trained_ids"] == ref["trained_ids"][CHECKPOINT_EVERY:] == follower["trained_ids"]
-  assert_params_close(params(run_dir, STEPS), params(reference, STEPS))
+  # Published through the sharded weight store this time (every process its own shards).
+  assert versions(run_dir / "weights")[-1] == STEPS
+  assert_params_close(flat_params(load_version(version_dir(run_dir / "weights", STEPS))),
+                      params(reference, STEPS))  # fmt: skip
   assert lead["staleness"] == ref["staleness"]
   assert lead["pending"] == ref["pending"]
   for a, b in zip(metrics(run_dir)[KILL_AFTER:], metrics(reference)[CHECKPOINT_EVERY:]):
@@ -187,9 +196,7 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
   # The HF export of the final policy: tensors sharded over both processes were gathered, and
   # the checkpoint process 0 wrote loads back to the same parameters.
   model, _ = hf_io.load(run_dir / "export")
-  _, state = nnx.split(model)
-  exported = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
-  assert_params_close(exported, params(reference, STEPS))
+  assert_params_close(flat_params(nnx.split(model)[1]), params(reference, STEPS))
 
 
 # --- fast checks of the bootstrap -------------------------------------------------------------
