@@ -6,6 +6,11 @@ the configured function. With no `--gin_file`, `gin/runs/<subcommand>.gin` is us
 exists, so `asearcher demo` works as is. `asearcher SUBCOMMAND --help` lists what it binds
 (apps/cli_help.py); every configuration mistake is one line and exit status 2
 (apps/gin_config.py).
+
+Before the subcommand runs (and so before any jax array exists) the process joins its
+multi-process program, if it is one: `distributed.DistributedConfig` bound in gin
+(`distributed.DistributedConfig.num_processes = 2`, ...) or the JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID environment; automatic on a Cloud TPU VM.
 """
 
 from __future__ import annotations
@@ -120,6 +125,18 @@ def configure(subcommand: str, gin_files: Sequence[str], gin_params: Sequence[st
   return gin.get_configurable(fn)
 
 
+def distributed_config():
+  """The gin-bound `DistributedConfig` (library defaults when no gin file binds it)."""
+  import gin
+
+  from asearcher_jax.distributed import DistributedConfig
+
+  try:
+    return gin.get_configurable(DistributedConfig)()
+  except ValueError:  # not in the gin registry: nothing binds it
+    return DistributedConfig()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parse_args(sys.argv[1:] if argv is None else argv)
   if args.help:
@@ -135,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     fn = configure(args.subcommand, args.gin_file, args.gin_param)
   except ConfigError as e:
+    print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
+    return 2
+  from asearcher_jax import distributed
+
+  try:
+    distributed.initialize(distributed_config())
+  except ValueError as e:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
   if args.print_config:

@@ -13,6 +13,11 @@ Threads: the learner on the caller's thread, rollouts + tools + the retrieval se
 rollout controller's asyncio thread, the engine on the driver's thread. With
 `remote.address_files` the engine is elsewhere instead: `serve-model` servers that load each
 version from `remote.weights_dir` (`rl.remote`: AReaL's disaggregated layout).
+
+Several processes (`jax.distributed`, initialised by main.py): one learner over `config.mesh`
+spanning every process's devices, generation on serve-model servers only. Process 0 builds the
+whole run; the others build the learner, the checkpointer and a trainer that follows process
+0's batches (`rl.trainer`), and nothing that talks to engines, tools or the replay log.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from asearcher_jax.rl.rollout import AgentSource, RolloutController
 from asearcher_jax.rl.scoring import Scorer, answer_scorer
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
-from asearcher_jax.rl.weight_sync import InProcessWeightSync
+from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, InProcessWeightSync
 from asearcher_jax.serving.client import RemoteClientConfig
 from asearcher_jax.serving.driver import Driver
 from asearcher_jax.serving.engine import Engine
@@ -78,9 +83,9 @@ class TrainRun:
   engine: Engine | None  # None: generation on remote servers
   driver: Driver | None
   learner: Learner
-  staleness: StalenessManager
-  replay: ReplayQueue
-  rollout: RolloutController
+  staleness: StalenessManager | None  # None (and replay, rollout): a non-lead trainer process
+  replay: ReplayQueue | None
+  rollout: RolloutController | None
   trainer: Trainer
   checkpointer: Checkpointer
   writer: MetricWriter
@@ -93,9 +98,11 @@ class TrainRun:
     """Restores the latest checkpoint (returns its version, None for a fresh run), starts the
     rollout loop, the run's own retrieval server on it (local tools), then admits groups."""
     version = self.trainer.restore()  # a resumed run publishes its restored version
+    if version is None and self.config.remote.enabled:
+      self.trainer.publish()  # servers may have started from any init (every process joins)
+    if self.rollout is None:  # a non-lead trainer process: it follows process 0's batches
+      return version
     if self.remote is not None:
-      if version is None:
-        self.remote.publish(self.learner)  # servers may have started from any init
       self.remote.start()
       self.remote.wait_loaded(self.config.remote.wait_s)
     self.rollout.pause()  # no episode before the tools are up
@@ -112,14 +119,16 @@ class TrainRun:
     return version
 
   def close(self) -> None:
-    self.rollout.stop()  # cancels running groups, then closes the ToolBox and the server
+    if self.rollout is not None:
+      self.rollout.stop()  # cancels running groups, then closes the ToolBox and the server
     if self.driver is not None:
       self.driver.close()
     if self.remote is not None:
       self.remote.stop()
     self.writer.close()
     self.checkpointer.close()
-    self.replay.close()
+    if self.replay is not None:
+      self.replay.close()
 
 
 # Where the run's own retrieval server announces its address (inside run_dir).
@@ -137,6 +146,11 @@ def build_run(
     raise AsearcherError(
       "engine_address_files needs weights_dir: the directory the servers load versions from"
     )
+  if jax.process_count() > 1 and not remote_cfg.enabled:
+    raise AsearcherError(
+      f"a trainer of {jax.process_count()} processes generates on serve-model servers: set "
+      "TrainConfig.remote (address_files, weights_dir); the in-process engine runs in one process"
+    )
   # A wrong name or a config of another agent fails before any work.
   agent_cls, agent_cfg = registry.resolve(config.agent.name, config.agent.config)
   graphdef, params = nnx.split(policy.module)
@@ -150,7 +164,10 @@ def build_run(
     jax.tree.map(lambda x: x.copy(), params),  # the learner donates; the engine keeps its own
     ppo=config.ppo(),
     optimizer=config.learner.optimizer,
+    mesh=config.learner_mesh(),
   )
+  if jax.process_index() > 0:
+    return _follower_run(config, run, policy, learner, graphdef)
   staleness = StalenessManager(config.staleness)
   if remote_cfg.enabled:
     client_cfg = remote_cfg.client or RemoteClientConfig(
@@ -202,12 +219,7 @@ def build_run(
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(run / "metrics")
   trainer = Trainer(
-    config=TrainerConfig(
-      train_steps=config.train_steps,
-      batch_groups=config.staleness.batch_groups,
-      checkpoint_every=config.checkpoint_every,
-      batch_timeout_s=config.batch_timeout_s,
-    ),
+    config=_trainer_config(config),
     learner=learner,
     replay=replay,
     staleness=staleness,
@@ -222,6 +234,37 @@ def build_run(
     staleness=staleness, replay=replay, rollout=controller, trainer=trainer, checkpointer=ckpt,
     writer=writer, run_dir=run, toolbox=toolbox, remote=remote,
   )  # fmt: skip
+
+
+def _follower_run(
+  config: TrainConfig, run: Path, policy: wiring.Policy, learner: Learner, graphdef: nnx.GraphDef
+) -> TrainRun:
+  """A non-lead process of a multi-process trainer: its share of the learner, the checkpoint
+  and the weight store (each writes the shards its devices hold) and a trainer fed by process
+  0's batches."""
+  ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
+  writer = MetricWriter(None)  # metrics are process 0's
+  publisher = DirectoryWeightPublisher(
+    config.remote.weights_dir, graphdef, staleness=None, config=config.remote.sync
+  )
+  trainer = Trainer(
+    config=_trainer_config(config), learner=learner, replay=None, staleness=None,
+    weight_sync=publisher, checkpointer=ckpt, writer=writer,
+  )  # fmt: skip
+  return TrainRun(
+    config=config, tokenizer=policy.tokenizer, engine=None, driver=None, learner=learner,
+    staleness=None, replay=None, rollout=None, trainer=trainer, checkpointer=ckpt, writer=writer,
+    run_dir=run,
+  )  # fmt: skip
+
+
+def _trainer_config(config: TrainConfig) -> TrainerConfig:
+  return TrainerConfig(
+    train_steps=config.train_steps,
+    batch_groups=config.staleness.batch_groups,
+    checkpoint_every=config.checkpoint_every,
+    batch_timeout_s=config.batch_timeout_s,
+  )
 
 
 # Library defaults throughout; gin/runs/train.gin binds the CPU-sized smoke run.
@@ -259,7 +302,12 @@ def train(
     config,
     run_dir=run_dir,
     policy=wiring.policy(
-      model_dir=model_dir, model=model, tokenizer_dir=tokenizer_dir, seed=config.seed
+      model_dir=model_dir,
+      model=model,
+      tokenizer_dir=tokenizer_dir,
+      seed=config.seed,
+      # Several processes: a checkpoint is read straight into the learner's shardings.
+      mesh=config.learner_mesh() if jax.process_count() > 1 else None,
     ),
     items=load_training_qa(questions, limit=max_questions),
   )

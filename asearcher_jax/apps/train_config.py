@@ -12,8 +12,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import jax
+from jax.sharding import Mesh
+
 from asearcher_jax.agent import registry
 from asearcher_jax.apps.wiring import ToolsConfig
+from asearcher_jax.model.sharding import MeshConfig
 from asearcher_jax.model.steps import OptimizerConfig
 from asearcher_jax.rl.learner import PPOConfig
 from asearcher_jax.rl.replay import ReplayConfig
@@ -114,6 +118,9 @@ class TrainConfig:
   learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
   # Generation on serve-model servers (disaggregated); unset: the in-process engine.
   remote: RemoteEnginesConfig = dataclasses.field(default_factory=RemoteEnginesConfig)
+  # The learner's (data, fsdp, tensor) mesh over every process's devices (-1 fills); None: one
+  # device, or every device on fsdp when the program has several processes (jax.distributed).
+  mesh: MeshConfig | None = None
 
   def __post_init__(self):
     if self.reward not in ("auto", "answer", "smoke"):
@@ -137,6 +144,12 @@ class TrainConfig:
     if self.learner.ppo is not None:
       return self.learner.ppo
     return PPOConfig(row_len=self.engine.max_seq_len, temperature=self.sampling_temperature)
+
+  def learner_mesh(self) -> Mesh | None:
+    """The learner's mesh (see `mesh`); builds nothing for one device in one process."""
+    if self.mesh is None and jax.process_count() == 1:
+      return None
+    return (self.mesh or MeshConfig()).build()
 
   def replay_config(self, directory: str) -> ReplayConfig:
     """The replay queue's config, its log in `directory`."""

@@ -14,6 +14,9 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from jax.sharding import Mesh
+
+from asearcher_jax.model import sharding
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.loading import load_policy
 from asearcher_jax.model.transformer import Transformer
@@ -55,10 +58,17 @@ def policy(
   model: ModelConfig | None = None,
   tokenizer_dir: str | None = None,
   seed: int = 0,
+  mesh: Mesh | None = None,
 ) -> Policy:
-  """A Hugging Face checkpoint (`model_dir`), else a random `model` (default qwen2-tiny) of
-  init `seed`; the tokenizer from `tokenizer_dir`, else the checkpoint's, else Qwen2's."""
-  module, tokenizer, what = load_policy(model_dir, model, tokenizer_dir, seed)
+  """A Hugging Face checkpoint (`model_dir`; with `mesh`, read straight into its shardings),
+  else a random `model` (default qwen2-tiny) of init `seed`; the tokenizer from
+  `tokenizer_dir`, else the checkpoint's, else Qwen2's."""
+  # Only a checkpoint is read into the mesh; a random policy starts whole (eager init) on every
+  # process, so one- and multi-process runs begin from bit-identical weights.
+  layout = None
+  if mesh is not None and model_dir is not None:
+    layout = lambda _cfg: (mesh, sharding.DEFAULT_RULES)  # noqa: E731
+  module, tokenizer, what = load_policy(model_dir, model, tokenizer_dir, seed, layout=layout)
   log.info("policy: %s", what)
   return Policy(
     module=module, tokenizer=tokenizer, description=what, pretrained=model_dir is not None

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
+from asearcher_jax import distributed
 from asearcher_jax.errors import CheckpointError
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig, from_hf_config, to_hf_config
@@ -143,7 +144,7 @@ def load(
     flat_shardings = dict(nnx.to_flat_state(shardings))
   else:
     flat_shardings = {}
-  single = SingleDeviceSharding(jax.devices()[0])
+  single = SingleDeviceSharding(jax.local_devices()[0])  # this process's own first device
   used: set[str] = set()
   flat = nnx.to_flat_state(state)
   for path, var in flat:
@@ -184,9 +185,13 @@ def save(
   """Writes config.json and safetensors (sharded with an index above max_shard_bytes).
 
   The output loads with transformers' `AutoModelForCausalLM.from_pretrained` and with `load`.
+  In a multi-process program every process must call it (a tensor sharded across processes is
+  gathered with a collective); only process 0 writes, and returns the same path.
   """
   out_dir = Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
+  lead = distributed.is_lead()
+  if lead:
+    out_dir.mkdir(parents=True, exist_ok=True)
   cfg: ModelConfig = model.cfg
   out_dtype = jnp.dtype(dtype or cfg.param_dtype)
   hf_cfg = to_hf_config(cfg.replace(param_dtype=str(out_dtype)))
@@ -195,7 +200,10 @@ def save(
   size = 0
   for path, var in nnx.to_flat_state(state):
     name, transpose = hf_name(path)
-    host = np.asarray(jax.device_get(var.get_value()))  # one tensor at a time on the host
+    # One tensor at a time on the host (gathered only when other processes hold parts of it).
+    host = distributed.gather_to_host(var.get_value())
+    if not lead:
+      continue
     arr = jnp.asarray(host.T if transpose else host, dtype=out_dtype)
     nbytes = arr.size * arr.dtype.itemsize
     if size and size + nbytes > max_shard_bytes:
@@ -203,6 +211,8 @@ def save(
       size = 0
     shards[-1][name] = arr
     size += nbytes
+  if not lead:
+    return out_dir
   for old in out_dir.glob("*.safetensors"):
     old.unlink()
   if len(shards) == 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -39,6 +40,28 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
 }
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """The (data, fsdp, tensor) mesh a command builds over all its devices (every process's, in a
+  multi-process run); one size may be -1: whatever the others leave."""
+
+  # Data-parallel replicas: each holds a full (fsdp-sharded) copy of the parameters.
+  data: int = 1
+  # Parameters, gradients and optimizer state sharded over this axis; batch rows too.
+  fsdp: int = -1
+  # Tensor parallelism over heads and MLP columns (keep within a host's chips: it talks most).
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = (self.data, self.fsdp, self.tensor)
+    if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+      raise ValueError(f"MeshConfig sizes must be >= 1, at most one -1; got {sizes}")
+
+  def build(self, devices: Sequence | None = None) -> Mesh:
+    """The mesh over `devices` (default: all devices of all processes)."""
+    return make_mesh(data=self.data, fsdp=self.fsdp, tensor=self.tensor, devices=devices)
+
+
 def make_mesh(
   *, data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None
 ) -> Mesh:
@@ -62,6 +85,28 @@ def make_mesh(
   except (ValueError, NotImplementedError, AssertionError):
     grid = np.asarray(devices).reshape(sizes)
   return Mesh(grid, MESH_AXES)
+
+
+def put(tree, shardings):
+  """Places `tree` (host or local arrays, the same values on every process) on `shardings`.
+
+  One process: `jax.device_put`. Several: each process builds only the shards its own devices
+  hold (`jax.make_array_from_callback`), as a global array cannot be device_put from one host.
+  `shardings` is a tree of shardings with the structure of `tree` (or a prefix of it), or one
+  sharding for all."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def one(x, sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global (hf_io.load)
+      return x if x.sharding == sharding else jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: one(x, shardings), tree)
+  # `shardings` may be a prefix of `tree` (one sharding per nnx.Variable).
+  return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: one(x, s), sub), shardings, tree)
 
 
 def logical_to_spec(

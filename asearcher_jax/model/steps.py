@@ -114,7 +114,8 @@ def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation)
     return state
   replicated = NamedSharding(mesh_sharding.mesh, PartitionSpec())
   return jax.tree.map(
-    lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), state
+    lambda x: x if isinstance(x.sharding, NamedSharding) else sharding_lib.put(x, replicated),
+    state,
   )
 
 

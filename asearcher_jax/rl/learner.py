@@ -205,8 +205,12 @@ class Learner:
     # The engine gets each parameter back in the dtype it was loaded in (bf16 weights to serve).
     self._serve_dtypes = jax.tree.map(lambda x: x.dtype, params)
     params = steps.cast_floating(params, precision.master_dtype)
+    if mesh is None and jax.process_count() > 1:
+      raise ValueError("a multi-process learner needs a mesh over every process's devices")
     if mesh is not None:
-      params = jax.device_put(params, sharding_lib.param_shardings(params, mesh, rules))
+      # The same values on every process (one init seed, one checkpoint); each process places
+      # only the shards its devices hold.
+      params = sharding_lib.put(params, sharding_lib.param_shardings(params, mesh, rules))
     self.state = steps.init_train_state(params, self._optimizer)
     self.num_shards = 1
     self._batch_sharding = None
@@ -336,8 +340,9 @@ class Learner:
   def to_device(self, mb: Minibatch) -> None:
     host = {k: mb.arrays[k] for k in DEVICE_KEYS if k != "prox_logprobs"}
     host["loss_mask"] = host["loss_mask"].astype(np.float32)
+    # Every process packed the same global batch; each takes only the rows its devices hold.
     mb.device = (
-      jax.device_put(host, self._batch_sharding)
+      sharding_lib.put(host, self._batch_sharding)
       if self._batch_sharding is not None
       else jax.device_put(host)
     )

@@ -22,6 +22,18 @@ and tool results are replayed, partial generations continue) unless their result
 the replay log; the cursor skips items whose groups survived there; the engine gets the restored
 weights.
 Synchronous RL is the same loop with eta = 0.
+
+Several processes (a multi-host learner, `asearcher_jax.distributed`): every process runs this
+loop over its share of one global mesh; process 0, the lead, alone has the rollout controller,
+the replay queue, the staleness manager, the weight sync and the metric files. Each step the
+lead takes the batch and broadcasts its groups (`distributed.broadcast_bytes`, over the devices'
+links); every process then packs the identical global batch and places only the rows its own
+devices hold (`Learner.to_device`), so the packing, the advantages and the staleness metrics
+are computed once per process from the same bytes and cannot drift. Waiting for a batch is a
+poll: every `poll_s` the lead broadcasts "none yet", a batch, or a failure, so no process sits
+in a collective for longer than a poll slice and a lead that fails takes the others down with a
+clear error. Checkpoints are Orbax's multi-host saves (every process writes its own shards, the
+lead the JSON items); replay commits, journals and published weights stay on the lead.
 """
 
 from __future__ import annotations
@@ -32,17 +44,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import msgpack
 import numpy as np
 
+from asearcher_jax import distributed
 from asearcher_jax.checkpoint import Checkpointer, abstract_like
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.rl.learner import Learner
-from asearcher_jax.rl.replay import Group, ReplayQueue
+from asearcher_jax.rl.replay import Group, ReplayQueue, decode_group, encode_group
 from asearcher_jax.rl.rollout import RolloutController
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
+
+# What the lead broadcasts each poll slice while the others wait for a batch.
+_NO_BATCH_YET = 0
+_LEAD_FAILED = -1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +77,10 @@ class TrainerConfig:
   blocking_checkpoints: wait for each checkpoint to be written before the next step (the old
     behaviour, for side-by-side measurements); False: the next step runs while Orbax writes and
     only the replay commit waits for the save.
+  gather_weights: with several processes, gather the parameters to host memory on every
+    process and let process 0's weight sync publish them whole (a sync that needs whole
+    tensors); False: every process calls its own weight sync (the sharded weight store,
+    `serving.weights_dir`: each process writes the shards it holds, nothing is gathered).
   """
 
   train_steps: int
@@ -66,6 +89,7 @@ class TrainerConfig:
   poll_s: float = 1.0
   checkpoint_every: int = 1
   blocking_checkpoints: bool = False
+  gather_weights: bool = False
 
   def __post_init__(self):
     if self.train_steps < 0 or self.batch_groups < 1:
@@ -76,23 +100,52 @@ class TrainerConfig:
       raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
 
+class HostPolicy:
+  """A `PolicySource` over parameters already gathered to host memory: what a multi-process
+  trainer hands the lead's weight sync (which writes whole tensors)."""
+
+  def __init__(self, params: Any, version: int) -> None:
+    self.params, self.version = params, version
+
+  def params_copy(self) -> Any:
+    return self.params
+
+
 class Trainer:
-  """Owns no thread: `run()` is called on the main thread while the rollout loop runs."""
+  """Owns no thread: `run()` is called on the main thread while the rollout loop runs.
+
+  On the lead process (the only one of a single-process run) `replay`, `staleness` and
+  `weight_sync` are required; the other processes of a multi-process run pass None for them
+  and for `rollout`, and follow the lead's batches."""
 
   def __init__(
     self,
     *,
     config: TrainerConfig,
     learner: Learner,
-    replay: ReplayQueue,
-    staleness: StalenessManager,
-    weight_sync: WeightSync,
+    replay: ReplayQueue | None,
+    staleness: StalenessManager | None,
+    weight_sync: WeightSync | None,
     rollout: RolloutController | None = None,
     checkpointer: Checkpointer | None = None,
     writer: MetricWriter | None = None,
     engine_stats: Callable[[], Mapping[str, float]] | None = None,
   ) -> None:
-    if config.batch_groups != staleness.config.batch_groups:
+    self.lead = distributed.is_lead()
+    self.multi = distributed.multi_process()
+    if self.lead and None in (replay, staleness, weight_sync):
+      raise ValueError("the lead trainer process needs a replay queue, staleness and weight sync")
+    if self.multi and not config.gather_weights and weight_sync is None:
+      raise ValueError(
+        f"trainer process {jax.process_index()} has no weight sync: with gather_weights=False "
+        "every process publishes the shards it holds"
+      )
+    if not self.lead and (replay is not None or rollout is not None):
+      raise ValueError(
+        f"trainer process {jax.process_index()} got a replay queue or rollout controller: "
+        "only process 0 owns them (the others receive its batches)"
+      )
+    if staleness is not None and config.batch_groups != staleness.config.batch_groups:
       raise ValueError(
         f"trainer batch_groups={config.batch_groups} != staleness B="
         f"{staleness.config.batch_groups}: admission and consumption would drift apart"
@@ -122,7 +175,8 @@ class Trainer:
     the rollout controller (its cursor and the staleness counters are part of the state)."""
     step = self.checkpointer.latest_step() if self.checkpointer is not None else None
     if step is None:  # fresh, or killed before the first checkpoint: keep what was queued
-      self.staleness.restore(version=self.learner.version, queued=len(self.replay))
+      if self.replay is not None:
+        self.staleness.restore(version=self.learner.version, queued=len(self.replay))
       if self.rollout is not None:
         self.rollout.load_state_dict(None, queued_ids=self.replay.pending_ids())
       return None
@@ -132,12 +186,13 @@ class Trainer:
     meta = items["meta"]
     version = int(meta["version"])
     self.learner.restore(items["train_state"], version)
-    self._finish_commit(meta["uncommitted"])
-    self.staleness.restore(version=version, queued=len(self.replay) + self.replay.num_leased)
+    if self.replay is not None:
+      self._finish_commit(meta["uncommitted"])
+      self.staleness.restore(version=version, queued=len(self.replay) + self.replay.num_leased)
     if self.rollout is not None and meta.get("rollout") is not None:
       self.rollout.load_state_dict(meta["rollout"], queued_ids=self.replay.pending_ids())
-    self.weight_sync.publish(self.learner)  # the engine samples the restored policy
-    log.info("resumed at version %d (%d groups queued)", version, len(self.replay))
+    self.publish()  # the engine samples the restored policy
+    log.info("resumed at version %d", version)
     return version
 
   def _finish_commit(self, ids: Sequence[str]) -> None:
@@ -171,7 +226,9 @@ class Trainer:
       last = self.step()
       if on_step is not None:
         on_step(last)
-      if max_seconds is not None and time.perf_counter() - self._t_start >= max_seconds:
+      if max_seconds is not None and distributed.agree(
+        time.perf_counter() - self._t_start >= max_seconds
+      ):  # the lead's clock decides for every process
         log.info("time budget of %.0f s reached at version %d", max_seconds, self.learner.version)
         if self.checkpointer is not None and self.config.checkpoint_every:
           self._final_checkpoint()
@@ -193,12 +250,12 @@ class Trainer:
   def step(self) -> dict[str, float]:
     t0 = time.perf_counter()
     self._commit_saved(wait=False)
-    groups, wait_s = self._wait_batch()
+    groups, wait_s = self._next_batch()
     t1 = time.perf_counter()
     version_before = self.learner.version
     metrics = self._train(groups)
     t2 = time.perf_counter()
-    metrics.update(self._sync())
+    metrics.update(self.publish())
     t3 = time.perf_counter()
     metrics.update(self._checkpoint())
     t4 = time.perf_counter()
@@ -215,9 +272,32 @@ class Trainer:
     self._log(metrics)
     return metrics
 
-  def _wait_batch(self) -> tuple[list[Group], float]:
+  def _next_batch(self) -> tuple[list[Group], float]:
+    """This step's groups: taken from the replay queue on one process; on several, taken by the
+    lead and broadcast (see the module docstring)."""
+    if not self.multi:
+      return self._wait_batch()
+    t0 = time.perf_counter()
+    if not self.lead:
+      while True:
+        status = distributed.agree(_NO_BATCH_YET)
+        if status == _LEAD_FAILED:
+          raise RuntimeError("the lead trainer process failed to produce a batch (see its log)")
+        if status > 0:
+          payload = distributed.broadcast_bytes(None)
+          return [decode_group(b) for b in msgpack.unpackb(payload)], time.perf_counter() - t0
+    try:
+      groups, _ = self._wait_batch(announce=True)
+    except BaseException:
+      distributed.agree(_LEAD_FAILED)
+      raise
+    distributed.agree(len(groups))
+    distributed.broadcast_bytes(msgpack.packb([encode_group(g) for g in groups]))
+    return groups, time.perf_counter() - t0
+
+  def _wait_batch(self, *, announce: bool = False) -> tuple[list[Group], float]:
     """B oldest groups; polls in slices so a crashed rollout loop fails the run instead of
-    hanging it."""
+    hanging it. `announce`: tell the other processes after each empty slice that none came."""
     t0 = time.perf_counter()
     deadline = t0 + self.config.batch_timeout_s
     while True:
@@ -228,6 +308,8 @@ class Trainer:
       )
       if groups:
         return groups, time.perf_counter() - t0
+      if announce:
+        distributed.agree(_NO_BATCH_YET)
       if self.rollout is not None and self.rollout.error is not None:
         raise RuntimeError("the rollout loop died") from self.rollout.error
       if time.perf_counter() >= deadline:
@@ -241,14 +323,25 @@ class Trainer:
     try:
       metrics = self.learner.train_step(groups)
     except Exception:
-      self.replay.release(ids)  # nothing was learned from them: they stay queued
+      if self.replay is not None:
+        self.replay.release(ids)  # nothing was learned from them: they stay queued
       raise
     self._uncommitted += ids
     self.trained_ids.append(ids)
     return metrics
 
-  def _sync(self) -> dict[str, float]:
-    return self.weight_sync.publish(self.learner)
+  def publish(self) -> dict[str, float]:
+    """Publishes the learner's version to the samplers; every process calls it. Several
+    processes: each process's weight sync writes its own shards, or with `gather_weights` the
+    parameters are gathered to host memory (a collective) and the lead's sync writes them."""
+    if not self.multi or not self.config.gather_weights:
+      return self.weight_sync.publish(self.learner)
+    t0 = time.perf_counter()
+    host = distributed.gather_to_host(self.learner.params_copy())
+    gathered = {"weight_sync/gather_s": time.perf_counter() - t0}
+    if not self.lead:
+      return gathered
+    return {**gathered, **self.weight_sync.publish(HostPolicy(host, self.learner.version))}
 
   def _checkpoint(self) -> dict[str, float]:
     every, version = self.config.checkpoint_every, self.learner.version
@@ -260,10 +353,10 @@ class Trainer:
     # Orbax finishes the previous save before it starts this one; its groups commit first.
     t0 = time.perf_counter()
     self._commit_saved(wait=True)
-    meta = {
+    meta = {  # JSON items are written by the lead alone: its values are the ones kept
       "version": version,
       "uncommitted": list(self._uncommitted),
-      "staleness": self.staleness.state_dict(),
+      "staleness": self.staleness.state_dict() if self.staleness is not None else None,
       "rollout": self._rollout_state(),
     }
     self.checkpointer.save(version, {"train_state": self.learner.state, "meta": meta}, force=True)
@@ -281,7 +374,7 @@ class Trainer:
 
   def _commit_now(self) -> None:
     """No checkpoints: groups commit right after their step."""
-    if self._uncommitted:
+    if self._uncommitted and self.replay is not None:
       self.replay.commit(self._uncommitted)
       self._uncommitted = []
 
@@ -294,7 +387,8 @@ class Trainer:
       self.checkpointer.wait()
     elif self.checkpointer.saving():
       return
-    self.replay.commit(self._saving)
+    if self.replay is not None:
+      self.replay.commit(self._saving)
     self._saving = []
 
   # --- metrics ---------------------------------------------------------------------------------
@@ -309,8 +403,9 @@ class Trainer:
     out = {
       "staleness/head_max": float(lag.max()),
       "staleness/head_mean": float(lag.mean()),
-      "staleness/version_now": float(self.staleness.version),
     }
+    if self.staleness is not None:
+      out["staleness/version_now"] = float(self.staleness.version)
     for k, n in zip(*np.unique(lag, return_counts=True)):
       out[f"staleness/hist_{int(k)}"] = float(n) / lag.size
     return out
@@ -318,8 +413,9 @@ class Trainer:
   def _log(self, metrics: dict[str, Any]) -> None:
     if self.rollout is not None:
       metrics.update(self.rollout.metrics())
-    metrics.update(self.replay.metrics())
-    metrics.update({f"staleness/{k}": float(v) for k, v in self.staleness.stats().items()})
+    if self.replay is not None:
+      metrics.update(self.replay.metrics())
+      metrics.update({f"staleness/{k}": float(v) for k, v in self.staleness.stats().items()})
     if metrics.get("rollout/group_s") and "timing/train_s" in metrics:
       # The staleness rule keeps at most (eta + 1) x B groups in flight, so it can deliver B
       # groups per step only while a group takes under ~(eta + 1) steps (Little's law); near or
