@@ -383,7 +383,7 @@ class Engine(EngineContract):
     rep = self._replicated
     return Prefix(cache=KVCache(k=(kv,) * n, v=(kv,) * n), true_length=rep, next_token=rep,
                   next_logprob=rep, version=rep, key=rep, temperature=rep, top_p=rep,
-                  top_k=rep)  # fmt: skip
+                  top_k=rep, top_ids=rep, top_logprobs=rep)  # fmt: skip
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     """An empty decode state, created in place on the mesh: the KV cache split by KV heads
