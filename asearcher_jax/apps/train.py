@@ -38,6 +38,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.rl import reward as reward_lib
+from asearcher_jax.rl.inflight import ResumeLog
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
 from asearcher_jax.rl.replay import ReplayQueue
@@ -123,6 +124,7 @@ class TrainRun:
 
 # Where the run's own retrieval server announces its address (inside run_dir).
 RETRIEVAL_ADDRS = "retrieval_addrs"
+RESUME_LOG = "rollout/resumed.jsonl"  # one line per episode resumed from its journal
 
 
 def build_run(
@@ -193,6 +195,7 @@ def build_run(
     replay=replay,
     scorer=scorer,
     engine_stats=engine_stats,
+    resume_log=ResumeLog(run / RESUME_LOG),
   )
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(run / "metrics")

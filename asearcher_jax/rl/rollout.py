@@ -32,7 +32,13 @@ from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.data.qa import QAExample
 from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
-from asearcher_jax.rl.inflight import EpisodeJournal, GroupJournal, JournalClient, JournalToolBox
+from asearcher_jax.rl.inflight import (
+  EpisodeJournal,
+  GroupJournal,
+  JournalClient,
+  JournalToolBox,
+  ResumeLog,
+)
 from asearcher_jax.rl.replay import Group, ReplayQueue
 from asearcher_jax.rl.scoring import RolloutStats, Scorer, answer_scorer, score_group
 from asearcher_jax.rl.staleness import StalenessManager
@@ -129,8 +135,10 @@ class RolloutController:
     replay: ReplayQueue,
     scorer: Scorer | None = None,
     engine_stats: Callable[[], Mapping[str, float]] | None = None,
+    resume_log: ResumeLog | None = None,
   ) -> None:
     self.config = config
+    self.resume_log = resume_log  # a line per resumed episode once its replay ends
     self.items = list(items)
     self.agents = agents
     self.staleness = staleness
@@ -220,7 +228,9 @@ class RolloutController:
     out, so a restart never runs a group whose result already exists."""
     done = {group_item_key(g) for g in [*self.replay.pending_ids(), *exclude_groups]}
     with self._lock:
+      # Groups restored but not yet admitted again keep their saved journals.
       journals = [j for k, j in self._journals.items() if k not in done]
+      journals += [j for j in self._resume if j.key not in done]
       return {
         "cursor": self.cursor.state_dict(),
         "inflight": [j.snapshot() for j in journals],
@@ -451,6 +461,7 @@ class RolloutController:
             aug_answers=item.aug_answers,
             valid_inst=item.valid_inst,
           )
+        await client.replay_done()  # an episode that ended inside its journal
       except TimeoutError:
         self._count(episode_timeouts=1, env_failures=1)
         traj = None
@@ -462,6 +473,7 @@ class RolloutController:
           + sum(len(r["tokens"]) for r in client.journal.calls[: client.replayed_calls]),
           resumed_tool_calls=tools.replayed_tools if tools is not None else 0,
           resumed_diverged=int(client.mismatched),
+          llm_calls_live=client.live_calls,
         )
       if not traj.environment_failure:
         return traj
@@ -479,8 +491,17 @@ class RolloutController:
     with self._lock:
       group.episodes[i] = journal
     src = self.agents
-    client = JournalClient(src.client(), journal, saved, default_stop_ids=src.stop_token_ids)
     tools = JournalToolBox(src.toolbox, journal, saved) if src.toolbox is not None else None
+    log_ = self.resume_log
+
+    async def replayed(c: JournalClient) -> None:
+      self._count(episodes_resumed=1)
+      if log_ is not None and saved is not None:
+        await log_.record(group.key, i, saved, c, tools)
+
+    client = JournalClient(
+      src.client(), journal, saved, default_stop_ids=src.stop_token_ids, on_replayed=replayed
+    )
     return src.factory(client, tools), client, tools
 
 

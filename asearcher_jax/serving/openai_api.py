@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from asearcher_jax import http_guard
 from asearcher_jax.serving.driver import Driver, EngineError
 from asearcher_jax.serving.types import GenerationResult, SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
@@ -55,6 +56,10 @@ class OpenAIServerConfig:
   max_choices: int = 256
   max_inflight: int = 1024
   default_max_tokens: int = 16
+  # Slow clients: headers must arrive within header_timeout_s (else the connection is closed),
+  # the body within body_timeout_s (else 408).
+  header_timeout_s: float = 15.0
+  body_timeout_s: float = 30.0
 
 
 class RequestError(ValueError):
@@ -302,7 +307,10 @@ class OpenAIServer:
     self.requests = {"completions": 0, "chat": 0, "bad_request": 0, "busy": 0, "error": 0}
 
   def make_app(self) -> web.Application:
-    app = web.Application(client_max_size=self.config.max_body_bytes)
+    app = web.Application(
+      client_max_size=self.config.max_body_bytes,
+      middlewares=http_guard.middlewares(self.config.host),  # bearer token when set
+    )
     app.router.add_post("/v1/completions", self._completions)
     app.router.add_post("/v1/chat/completions", self._chat)
     app.router.add_get("/v1/models", self._models)
@@ -312,7 +320,10 @@ class OpenAIServer:
   async def start(self) -> int:
     """Binds and starts serving; returns the port. Handler cancellation is on, so a client that
     disconnects aborts its generations and frees their slots."""
-    self._runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
+    self._runner = web.AppRunner(
+      self.make_app(), access_log=None, handler_cancellation=True,
+      keepalive_timeout=self.config.header_timeout_s,
+    )  # fmt: skip
     await self._runner.setup()
     site = web.TCPSite(self._runner, self.config.host, self.config.port)
     await site.start()
@@ -334,9 +345,11 @@ class OpenAIServer:
     self._inflight += 1
     try:
       try:
-        body = await asyncio.wait_for(request.json(loads=json.loads), self.config.request_timeout_s)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(await http_guard.read_body(request, self.config.body_timeout_s))
+      except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # too deep: 400
         raise RequestError(f"malformed JSON: {e}") from None
+      except http_guard.SlowBody as e:
+        raise RequestError(str(e), status=408) from None
       response = await asyncio.wait_for(handle(body), self.config.request_timeout_s)
       self.requests[kind] += 1
       return response
