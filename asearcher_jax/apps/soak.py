@@ -33,6 +33,7 @@ from asearcher_jax.rl.rollout import RolloutConfig
 from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.testing.agent_workload import LogNormal, SafeRng, SteeringClient
 from asearcher_jax.testing.faults import FaultConfig, FaultProxy, LoopThread
 from asearcher_jax.testing.run_audit import audit_run
 from asearcher_jax.tools.http_retry import RetryConfig
@@ -59,6 +60,8 @@ class SoakConfig:
   server_outage_s: once per life the retrieval server is stopped this long (0: never).
   hang_s: a step that takes longer than this counts as a hang (and ends the soak).
   seed: seeds the faults.
+  max_seconds: wall-clock budget of the whole soak (None: none): each life gets an equal share
+    and ends after the step that crosses it, so fewer steps may run (reported as `steps`).
   """
 
   steps: int = 300
@@ -68,6 +71,7 @@ class SoakConfig:
   server_outage_s: float = 2.0
   hang_s: float = 300.0
   seed: int = 0
+  max_seconds: float | None = None
 
 
 def rss_mb() -> float:
@@ -78,14 +82,20 @@ def rss_mb() -> float:
   return float("nan")
 
 
-def rss_slope_per_100(samples: list[tuple[int, float]]) -> float:
-  """Least-squares slope of RSS (MB) against step, per 100 steps; the first life's first tenth
-  (compilation, caches filling) is left out."""
-  if len(samples) < 4:
-    return float("nan")
-  skip = max(1, len(samples) // 10)
-  x, y = np.asarray(samples[skip:], float).T
-  return float(np.polyfit(x, y, 1)[0] * 100.0)
+def rss_slope_per_100(samples: list[tuple[int, int, float]]) -> float:
+  """Least-squares slope of RSS (MB) against step, per 100 steps, within each life (a restart
+  in the same process builds a new engine and learner: that step is reported apart, as
+  `rss_mb_per_life`), averaged over lives weighted by their steps; the first fifth of each
+  life (compilation, caches filling) is left out. NaN with too few steps."""
+  slopes, weights = [], []
+  for life in sorted({s[0] for s in samples}):
+    pts = [(v, mb) for n, v, mb in samples if n == life]
+    pts = pts[len(pts) // 5 :]
+    if len(pts) >= 4:
+      x, y = np.asarray(pts, float).T
+      slopes.append(float(np.polyfit(x, y, 1)[0] * 100.0))
+      weights.append(len(pts))
+  return float(np.average(slopes, weights=weights)) if slopes else float("nan")
 
 
 class _Tools:
@@ -127,6 +137,18 @@ class _Tools:
     self.loop.close()
 
 
+def steer(run: commands.TrainRun, seed: int) -> None:
+  """Every episode makes two searches then answers (`testing.agent_workload.SteeringClient`;
+  every sampled token is still the engine's): a random policy alone never calls a tool, so the
+  faults would never be met."""
+  rng, out_len = SafeRng(seed), LogNormal(median=8, sigma=0.5, low=2, high=16)
+  drv, tok = run.driver, run.tokenizer
+  run.rollout.agents = dataclasses.replace(
+    run.rollout.agents,
+    client=lambda: SteeringClient(drv, tok, k=2, rng=rng, output_len=out_len),
+  )
+
+
 def soak_train_config(config: SoakConfig, steps: int, tools_addr: str) -> TrainConfig:
   retry = RetryConfig(timeout_s=2.0, max_attempts=4, backoff_s=0.05, max_backoff_s=0.5)
   return TrainConfig(
@@ -135,7 +157,7 @@ def soak_train_config(config: SoakConfig, steps: int, tools_addr: str) -> TrainC
     engine=EngineConfig(max_slots=4, max_seq_len=2048, prefill_buckets=(1024,)),
     driver=DriverConfig(request_timeout_s=120.0),
     agent=AgentChoice(
-      configs={"asearcher": AsearcherAgentConfig(max_turns=2, max_new_tokens=24, max_tokens=2048)}
+      configs={"asearcher": AsearcherAgentConfig(max_turns=6, max_new_tokens=24, max_tokens=2048)}
     ),
     tools=wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=(tools_addr,), retry=retry)),
     rollout=RolloutConfig(group_size=2, episode_timeout_s=60.0, max_env_retries=2),
@@ -151,7 +173,7 @@ def run_soak(
   tools = _Tools(index_dir, FaultConfig(rate=config.tool_fault_rate, seed=config.seed, hang_s=3.0))
   lives = config.restarts + 1
   bounds = [round(config.steps * (i + 1) / lives) for i in range(lives)]
-  rss: list[tuple[int, float]] = []
+  rss: list[tuple[int, int, float]] = []  # (life, version, MB)
   out: dict[str, Any] = {"hangs": 0, "errors": [], "lives": 0, "resumed_at": []}
   items = load_training_qa(limit=64)
   t0 = time.monotonic()
@@ -161,17 +183,21 @@ def run_soak(
         soak_train_config(config, end, tools.proxy.address), run_dir=str(run_dir),
         policy=wiring.policy(model=SOAK_MODEL, tokenizer_dir=tokenizer_dir), items=items,
       )  # fmt: skip
-      outage_at = run.learner.version + max(1, (end - run.learner.version) // 2)
+      steer(run, config.seed + life)
+      # The server outage comes after the life's second step (set at start; sooner in short lives).
+      outage_at = [1 << 30]
       restart: list[threading.Thread] = []
 
-      def on_step(m: dict[str, float], run=run, outage_at=outage_at, restart=restart) -> None:
-        rss.append((run.learner.version, rss_mb()))
-        if config.server_outage_s > 0 and run.learner.version == outage_at and not restart:
+      def on_step(m: dict[str, float], run=run, restart=restart, at=outage_at, n=life) -> None:
+        rss.append((n, run.learner.version, rss_mb()))
+        if config.server_outage_s > 0 and run.learner.version >= at[0] and not restart:
           restart.append(tools.outage(config.server_outage_s))
 
       try:
         out["resumed_at"].append(run.start())
-        run.trainer.run(on_step=on_step)
+        outage_at[0] = min(run.learner.version + 2, end - 1)
+        share = None if config.max_seconds is None else config.max_seconds / lives
+        run.trainer.run(on_step=on_step, max_seconds=share)
       except TimeoutError as e:  # no batch within hang_s
         out["hangs"] += 1
         out["errors"].append(f"life {life}: {e}")
@@ -195,7 +221,7 @@ def run_soak(
     upstream_down_502=tools.proxy.upstream_errors, server_restarts=tools.restarts,
     tool_failures=tool_failures,
     env_failures=sum(m.get("rollout/env_failures", 0.0) for m in rollout),
-    rss_mb_first=rss[0][1] if rss else float("nan"), rss_mb_last=rss[-1][1] if rss else float("nan"),
-    rss_slope_mb_per_100_steps=rss_slope_per_100(rss),
+    rss_mb_per_life=[round(max(mb for n, _, mb in rss if n == i), 1) for i in sorted({r[0] for r in rss})],
+    rss_mb_last=rss[-1][2] if rss else float("nan"), rss_slope_mb_per_100_steps=rss_slope_per_100(rss),
   )  # fmt: skip
   return out

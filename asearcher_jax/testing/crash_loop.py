@@ -164,7 +164,7 @@ def run_lives(
             raise RuntimeError(f"life {n} exited on its own ({proc.returncode}): {log_path}")
           proc.send_signal(signal.SIGKILL)
       finally:
-        if proc.poll() is None and final:
+        if proc.poll() is None:  # an error here (or in the caller's timeout) leaves no orphan
           proc.kill()
         proc.wait(30)
     text = log_path.read_text(errors="replace")

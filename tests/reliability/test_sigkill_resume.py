@@ -30,6 +30,7 @@ KILLS = int(os.environ.get("ASEARCHER_TEST_KILLS", "10"))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~2 min per life on 2 busy cores
 def test_ten_sigkills_resume_from_journals(tmp_path, byte_tok_dir, shipped_index_dir):
   run_dir = tmp_path / "run"
   gin = write_gin(
