@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from asearcher_jax.errors import CheckpointError
 
@@ -90,6 +91,7 @@ class Checkpointer:
       create=True,
     )
     self._manager = ocp.CheckpointManager(directory, options=options)
+    self._directory = directory
     self.fallbacks: list[tuple[int, str]] = []  # unreadable checkpoints skipped by restore_latest
 
   def latest_step(self) -> int | None:
@@ -164,21 +166,15 @@ class Checkpointer:
     raise CheckpointError(f"no checkpoint in {self.cfg.directory!r}")
 
   def _set_aside(self, step: int) -> str:
-    """Moves an unreadable step out of the way (kept for inspection as `<step>.unreadable`;
-    deleted on remote storage), so the run can write that step again."""
-    src = Path(self.cfg.directory) / str(step)
-    if "://" in self.cfg.directory or not src.is_dir():
-      self._manager.delete(step)
-      kept = "deleted"
-    else:
-      dst = src.with_name(f"{step}.unreadable")
-      n = 1
-      while dst.exists():
-        dst, n = src.with_name(f"{step}.unreadable{n}"), n + 1
-      src.rename(dst)
-      kept = f"kept as {dst}"
+    """Renames an unreadable step to `<step>.unreadable` (kept for inspection, never deleted: the
+    error may have been transient), so the run can write that step again."""
+    src = epath.Path(self._directory) / str(step)
+    dst, n = src.parent / f"{step}.unreadable", 1
+    while dst.exists():
+      dst, n = src.parent / f"{step}.unreadable{n}", n + 1
+    src.rename(dst)
     self._manager.reload()
-    return kept
+    return f"kept as {dst}"
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -184,7 +184,7 @@ def checkpoint_part(tmp: Path) -> dict[str, Any]:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--soak-steps", type=int, default=300, help="soak steps (the full soak: 300)")
-  p.add_argument("--soak-minutes", type=float, default=7.0, help="wall-clock bound of the soak")
+  p.add_argument("--soak-minutes", type=float, default=6.0, help="wall-clock bound of the soak")
   p.add_argument("--fault-rate", type=float, default=0.1, help="tool requests broken by the proxy")
   p.add_argument("--kills", type=int, default=2, help="SIGKILLs of `asearcher train`")
   p.add_argument("--bad-inputs", type=int, default=200, help="malformed requests per endpoint")

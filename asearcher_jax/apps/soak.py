@@ -145,7 +145,7 @@ def steer(run: commands.TrainRun, seed: int) -> None:
   drv, tok = run.driver, run.tokenizer
   run.rollout.agents = dataclasses.replace(
     run.rollout.agents,
-    client=lambda: SteeringClient(drv, tok, k=2, rng=rng, output_len=out_len),
+    client=lambda: SteeringClient(drv, tok, k=2, rng=rng, output_len=out_len, tag="Paris"),
   )
 
 
@@ -157,10 +157,10 @@ def soak_train_config(config: SoakConfig, steps: int, tools_addr: str) -> TrainC
     engine=EngineConfig(max_slots=4, max_seq_len=2048, prefill_buckets=(1024,)),
     driver=DriverConfig(request_timeout_s=120.0),
     agent=AgentChoice(
-      configs={"asearcher": AsearcherAgentConfig(max_turns=6, max_new_tokens=24, max_tokens=2048)}
+      configs={"asearcher": AsearcherAgentConfig(max_turns=6, max_new_tokens=48, max_tokens=2048)}
     ),
     tools=wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=(tools_addr,), retry=retry)),
-    rollout=RolloutConfig(group_size=2, episode_timeout_s=60.0, max_env_retries=2),
+    rollout=RolloutConfig(group_size=2, episode_timeout_s=300.0, max_env_retries=2),
     learner=LearnerConfig(optimizer=OptimizerConfig(learning_rate=1e-3, weight_decay=0.0)),
   )  # fmt: skip
 

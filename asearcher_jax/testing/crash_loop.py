@@ -11,6 +11,7 @@ resumed episode must replay all of its recorded calls instead of generating them
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import re
@@ -26,8 +27,10 @@ from asearcher_jax.rl.inflight import read_resume_log
 from asearcher_jax.testing.run_audit import RESUME_LOG
 
 # A CPU-sized `asearcher train` over a byte tokenizer (cheap softmax), group size 2, B = 1,
-# eta = 1, the run's own retrieval server on the given index; many short generate calls per
-# episode, so a kill finds episodes with finished calls in their journals.
+# eta = 1, the run's own retrieval server on the given index. One group at a time, of episodes
+# with many short generate calls: generation is the bottleneck, as on real hardware, so each
+# checkpoint finds the next group mid-episode with finished calls in its journals (with the
+# rollout ahead of the trainer, the group in flight at a checkpoint would be a fresh one).
 TRAIN_GIN = """
 from __gin__ import dynamic_registration
 from asearcher_jax.agent import asearcher
@@ -48,14 +51,14 @@ commands.train.max_questions = 24
 train_config.TrainConfig.train_steps = {steps}
 staleness.StalenessConfig.batch_groups = 1
 staleness.StalenessConfig.max_staleness = {eta}
-staleness.StalenessConfig.max_concurrent = 2
+staleness.StalenessConfig.max_concurrent = 1
 rollout.RolloutConfig.group_size = 2
 engine.EngineConfig.max_slots = 4
 engine.EngineConfig.max_seq_len = 2048
 engine.EngineConfig.prefill_buckets = (1024,)
 asearcher.AsearcherAgentConfig.max_tokens = 2048
-asearcher.AsearcherAgentConfig.max_new_tokens = 12
-asearcher.AsearcherAgentConfig.max_turns = 6
+asearcher.AsearcherAgentConfig.max_new_tokens = 8
+asearcher.AsearcherAgentConfig.max_turns = 8
 """
 
 
@@ -67,8 +70,11 @@ class CrashLoopConfig:
   early_frac: fraction of kills aimed anywhere in a life's first `early_window_s` (possibly
     before it has restored or trained anything).
   early_window_s: see early_frac.
+  journal_frac: fraction of kills aimed after a checkpoint whose in-flight episodes hold finished
+    generate calls (the case resuming from journals is for; with generation faster than
+    training most checkpoints find only a fresh group in flight).
   late_delay_s: other kills land this long (uniform in [0, late_delay_s]) after the life's own
-    first checkpoint.
+    first checkpoint (the "journal" ones: after such a checkpoint).
   final_steps: steps the last life trains past the version it resumes at.
   life_timeout_s: a life that neither checkpoints nor exits within this is a hang (an error).
   """
@@ -77,6 +83,7 @@ class CrashLoopConfig:
   seed: int = 0
   early_frac: float = 0.2
   early_window_s: float = 20.0
+  journal_frac: float = 0.4
   late_delay_s: float = 4.0
   final_steps: int = 2
   life_timeout_s: float = 600.0
@@ -89,7 +96,7 @@ class Life:
   pid: int
   restored: int | None  # version it resumed at (None: fresh), from its own output
   killed: bool
-  kind: str  # "early", "late" or "final"
+  kind: str  # "early", "late", "journal" or "final"
   seconds: float
   # The checkpoint this life resumed from: {(group key, episode): recorded calls}.
   saved_calls: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
@@ -146,18 +153,13 @@ def run_lives(
     with open(log_path, "wb") as out:
       proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
       try:
-        kind = "final" if final else ("early" if rng.random() < config.early_frac else "late")
+        kind = "final" if final else _draw_kind(rng, config)
         if final:
           proc.wait(config.life_timeout_s)
         elif kind == "early":
           _sleep_alive(proc, rng.uniform(0.5, config.early_window_s))
         else:
-          before = _checkpoints(run_dir)
-          deadline = t0 + config.life_timeout_s
-          while not (_checkpoints(run_dir) - before) and proc.poll() is None:
-            if time.monotonic() > deadline:
-              raise TimeoutError(f"life {n} wrote no checkpoint in {config.life_timeout_s:g} s")
-            time.sleep(0.05)
+          _wait_checkpoint(proc, run_dir, t0 + config.life_timeout_s, journals=kind == "journal")
           _sleep_alive(proc, rng.uniform(0.0, config.late_delay_s))
         if not final:
           if proc.poll() is not None:
@@ -183,6 +185,36 @@ def run_lives(
       )
     )
   return lives
+
+
+def _draw_kind(rng: random.Random, config: CrashLoopConfig) -> str:
+  u = rng.random()
+  if u < config.early_frac:
+    return "early"
+  return "journal" if u < config.early_frac + config.journal_frac else "late"
+
+
+def _wait_checkpoint(proc: subprocess.Popen, run_dir: Path, deadline: float, *, journals: bool):
+  """Until the life writes a new checkpoint (`journals`: one whose in-flight episodes hold at
+  least one finished generate call; any new one after 120 s without such)."""
+  before = _checkpoints(run_dir)
+  since = time.monotonic()
+  while proc.poll() is None:
+    new = sorted(_checkpoints(run_dir) - before)
+    if new and (not journals or time.monotonic() - since > 120 or _has_calls(run_dir, new[-1])):
+      return
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"no new checkpoint in {run_dir} before the deadline")
+    time.sleep(0.05)
+
+
+def _has_calls(run_dir: Path, step: int) -> bool:
+  try:
+    meta = json.loads((run_dir / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+  except (OSError, ValueError):
+    return False
+  inflight = (meta.get("rollout") or {}).get("inflight", ())
+  return any(e["calls"] for g in inflight for e in g["episodes"])
 
 
 def _sleep_alive(proc: subprocess.Popen, seconds: float) -> None:

@@ -87,6 +87,8 @@ def audit_run(run_dir: str | Path, *, batch_groups: int = 1, first_version: int 
   """Reads `run_dir` (after the run, no process writing it). With B = `batch_groups`, the i-th
   committed group (0-based) was trained by the weights of version first_version + i // B."""
   run = Path(run_dir)
+  if not (run / "replay").is_dir():
+    raise FileNotFoundError(f"{run} holds no replay log: not a training run directory")
   pushed, committed, discarded = replay_logs(run / "replay")
   pending = pending_on_disk(run / "replay")
   lost = set(pushed) - set(committed) - set(discarded) - set(pending)
