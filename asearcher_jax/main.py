@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, str] = {
   "synth": "asearcher_jax.apps.synth:synth",
   "quickstart": "asearcher_jax.apps.quickstart:quickstart",
   "warm-start": "asearcher_jax.apps.warm_start:warm_start",
+  "inspect": "asearcher_jax.apps.inspect:inspect",
 }
 
 # Where gin files are looked up: the working directory, then the repository root. Includes are

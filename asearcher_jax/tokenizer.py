@@ -143,6 +143,17 @@ class Tokenizer:
   def id_to_token(self, idx: int) -> str | None:
     return self._tok.id_to_token(idx)
 
+  def save(self, directory: str | Path) -> Path:
+    """tokenizer.json + tokenizer_config.json (eos/pad), so `from_dir` rebuilds this tokenizer:
+    a run directory keeps the vocabulary its token ids are in."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    self._tok.save(str(out / "tokenizer.json"))
+    pad = self._tok.id_to_token(self.pad_id)
+    conf = {"eos_token": self.eos_token, "pad_token": pad}
+    (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    return out
+
   def format_chat(
     self,
     messages: Sequence[Mapping[str, str]],

@@ -27,10 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from asearcher_jax.apps.synth import local_endpoint, seeds_from_pages  # noqa: E402
+from asearcher_jax.apps.synth import LocalEndpoint, local_endpoint, seeds_from_pages  # noqa: E402
 from asearcher_jax.model import presets  # noqa: E402
+from asearcher_jax.model.loading import PolicyConfig  # noqa: E402
 from asearcher_jax.serving.engine import EngineConfig  # noqa: E402
-from asearcher_jax.synthesis import RoleConfig, Seed, SynthConfig, run_synthesis  # noqa: E402
+from asearcher_jax.synthesis import RoleConfig, Roles, Seed, SynthConfig, run_synthesis  # noqa: E402
 from asearcher_jax.testing import synth_toyworld as W  # noqa: E402
 from asearcher_jax.testing.synth_scripted import ScriptedServer  # noqa: E402
 
@@ -46,7 +47,9 @@ async def measure_tiny() -> dict:
   qa = [(s, r, o) for s, r, o in W.FACTS if r == "born_in"]
   out = {}
   model = presets.model_config(name="qwen2-tiny")
-  async with local_endpoint(model, TINY_ENGINE) as url:
+  async with local_endpoint(
+    LocalEndpoint(policy=PolicyConfig(model=model), engine=TINY_ENGINE)
+  ) as url:
     role = RoleConfig(base_url=url, concurrency=64, timeout_s=120.0, max_tokens=16,
                       max_attempts=2, backoff_s=0.0)  # fmt: skip
     config = SynthConfig(num_solver_samples=4, max_turns=1)
@@ -58,8 +61,8 @@ async def measure_tiny() -> dict:
       ]  # fmt: skip
       with tempfile.TemporaryDirectory() as d:
         res = await run_synthesis(
-          seeds, store=W.store(), graph=W.graph(), output_dir=d, config=config, generator=role,
-          solver=role, judge=role, concurrency=max(c, 1), run_timeout_s=600,
+          seeds, store=W.store(), graph=W.graph(), output_dir=d, config=config,
+          roles=Roles(generator=role, solver=role, judge=role), concurrency=max(c, 1), run_timeout_s=600,
         )  # fmt: skip
       s = res.summary
       if c:
@@ -80,8 +83,8 @@ async def measure(concurrency: int, n_seeds: int) -> dict:
   try:
     with tempfile.TemporaryDirectory() as d:
       res = await run_synthesis(
-        seeds, store=store, graph=graph, output_dir=d, config=CONFIG, generator=role,
-        solver=role, judge=role, oracle=W.oracle(), concurrency=concurrency, run_timeout_s=600,
+        seeds, store=store, graph=graph, output_dir=d, config=CONFIG,
+        roles=Roles(generator=role, solver=role, judge=role), oracle=W.oracle(), concurrency=concurrency, run_timeout_s=600,
       )  # fmt: skip
   finally:
     await server.stop()

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import plotting
+
 # metrics.jsonl key -> (plot title, file stem); per-trajectory means over each training step.
 CURVES = {
   "rollout/reward": ("reward", "reward"),
@@ -54,33 +56,22 @@ def window_mean(points: Sequence[tuple[int, float]], *, first: bool, frac: float
 def write_plots(
   curve_points: Mapping[str, Sequence[tuple[int, float]]], out_dir: Path
 ) -> list[Path]:
-  """One PNG per curve plus `training.png` with all four (matplotlib Agg: no display)."""
+  """`training.png`: one panel per curve, smoothed over its raw points; curves that are identical
+  (reward and accuracy when the reward is exact match) share a panel (matplotlib Agg)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   out_dir.mkdir(parents=True, exist_ok=True)
-  paths = []
-  fig_all, axes = plt.subplots(2, 2, figsize=(10, 7))
-  for ax_all, (key, (title, stem)) in zip(axes.flat, CURVES.items()):
-    pts = curve_points.get(key, [])
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for a in (ax, ax_all):
-      a.plot(xs, ys, marker="o", markersize=3)
-      a.set_xlabel("training step (policy version)")
-      a.set_title(title)
-      a.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(out_dir / f"{stem}.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-  fig_all.tight_layout()
-  paths.append(out_dir / "training.png")
-  fig_all.savefig(paths[-1], dpi=100)
-  plt.close(fig_all)
-  return paths
+  panels = plotting.merge_identical(
+    {key: (title, curve_points.get(key, [])) for key, (title, _) in CURVES.items()}
+  )
+  fig = plotting.curves_figure(panels)
+  path = out_dir / "training.png"
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return [path]
 
 
 def _pct(x: float) -> str:
@@ -107,7 +98,8 @@ def format_markdown(summary: Mapping[str, Any]) -> str:
     f"{s.get('tool_calls_first_steps', float('nan')):.2f} over the first quarter of the steps -> "
     f"{s.get('tool_calls_last_steps', float('nan')):.2f} over the last quarter.",
     "",
-    "Plots: `training.png` (reward, accuracy, turns, tool calls per step). TensorBoard: "
+    "Plots: `training.png` (reward, accuracy, turns, tool calls per step, smoothed over the raw "
+    "points). TensorBoard: "
     "`tensorboard --logdir rl/metrics`.",
     "",
     "Stage timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in s.get("stages", {}).items()),

@@ -79,8 +79,9 @@ def serve(
       port (0: a free one), the model id it reports, request timeout and body limits.
     grpc_port: also serve JetStream's gRPC `Orchestrator` on this port (0: a free one); None: no.
     address_file: where to write the bound addresses (JSON: http, grpc, pid); removed at exit.
-    weights_dir: a trainer's `DirectoryWeightPublisher` root (disaggregated RL: the trainer and
-      this server are separate programs): the version its LATEST pointer names is loaded
+    weights_dir: a trainer's weight store (`DirectoryWeightPublisher` root: a local directory or
+      gs://bucket/dir; disaggregated RL: the trainer and this server are separate programs),
+      read into the engine's sharding and dtype: the version its LATEST pointer names is loaded
       before the address is announced, and each one published later is swapped in between
       decode steps; None: the weights never change.
     weights_poll_s: how often to look for a newer version in weights_dir.
@@ -128,7 +129,10 @@ async def _serve(
   driver = Driver(eng, driver_config)
   watcher = None
   if weights_dir is not None:
-    watcher = DirectoryWeightWatcher(weights_dir, driver, poll_s=weights_poll_s)
+    # Each version is read straight into the engine's own placement and dtype.
+    watcher = DirectoryWeightWatcher(
+      weights_dir, driver, poll_s=weights_poll_s, shardings=eng.load_params().state
+    )
     # A server (re)started mid-run loads the current version before it announces itself, so
     # no request is served by the initial weights under a version they are not.
     try:

@@ -1,8 +1,9 @@
 """`asearcher sft`: supervised fine-tuning of a policy on expert trajectories (JSONL).
 
-A keyword-only function that gin binds (`gin/runs/sft.gin`). It resolves the tokenizer and the
-policy (a from-scratch preset whose vocabulary is sized to the tokenizer, a ModelConfig, or a
-Hugging Face checkpoint), reads and splits the trajectories, trains with `SFTTrainer` (resuming
+A keyword-only function of nested frozen configs that gin binds (`gin/runs/sft.gin`). It resolves
+the tokenizer and the policy (`model.loading.PolicyConfig`: a Hugging Face checkpoint or a
+ModelConfig; else the `ScratchModel` preset, its vocabulary sized to the tokenizer), reads and
+splits the trajectories, trains with `SFTTrainer` (resuming
 from `out_dir` when it holds a checkpoint), and writes:
   out_dir/model/            HF model dir (config.json, model.safetensors, tokenizer files)
   out_dir/checkpoints/      Orbax checkpoints (resume)
@@ -31,6 +32,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model import hf_io, presets, steps
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.sft import data as data_lib
 from asearcher_jax.sft import export as export_lib
@@ -70,27 +72,44 @@ def resolve_model_config(
   return model
 
 
-def build_mesh(mesh_shape: Mapping[str, int] | None, num_devices: int | None):
-  """A (data, fsdp, tensor) mesh over the first num_devices devices (None: all); mesh_shape
-  None puts every device on fsdp."""
-  devices = jax.devices()[:num_devices] if num_devices else jax.devices()
-  return sharding_lib.make_mesh(**dict(mesh_shape or {"fsdp": -1}), devices=devices)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScratchModel:
+  """The from-scratch architecture, used when the policy names neither a checkpoint nor a
+  ModelConfig: a preset whose vocabulary is sized to the tokenizer the trajectories were
+  written with (a world tokenizer of a few thousand ids, not Qwen2's ~150k)."""
+
+  # A `model.presets` name; its vocab_size becomes the tokenizer's.
+  preset: str = "synthwiki-2m"
+  # The tokenizer's size is rounded up to a multiple of this (aligned embedding rows).
+  vocab_multiple: int = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """The (data, fsdp, tensor) device mesh training runs on."""
+
+  # {"data": d, "fsdp": f, "tensor": t} (one size may be -1); None: every device on fsdp.
+  shape: Mapping[str, int] | None = None
+  # Use the first this many devices; None: all.
+  num_devices: int | None = None
+
+
+def build_mesh(mesh: MeshConfig):
+  """The mesh over the first `mesh.num_devices` devices."""
+  devices = jax.devices()[: mesh.num_devices] if mesh.num_devices else jax.devices()
+  return sharding_lib.make_mesh(**dict(mesh.shape or {"fsdp": -1}), devices=devices)
 
 
 def sft(
   *,
   trajectories: str | Sequence[str],
   out_dir: str = "runs/sft",
-  model: str | ModelConfig = "synthwiki-2m",
-  model_dir: str | None = None,
-  tokenizer_dir: str | None = None,
-  vocab_multiple: int = 64,
+  policy: PolicyConfig = PolicyConfig(),
+  scratch: ScratchModel = ScratchModel(),
   config: SFTConfig | None = None,
   optimizer: steps.OptimizerConfig | None = None,
-  mesh_shape: Mapping[str, int] | None = None,
-  num_devices: int | None = None,
+  mesh: MeshConfig = MeshConfig(),
   export_dtype: str | None = None,
-  init_seed: int = 0,
   name: str | None = None,
 ) -> int:
   """Trains to `config.steps` (resuming from out_dir), exports, summarises; returns 0.
@@ -98,27 +117,25 @@ def sft(
   Args:
     trajectories: JSONL file(s) of `Trajectory.to_json()` lines (.gz allowed).
     out_dir: run directory (see the module docstring for its layout).
-    model: a preset name (vocab sized to the tokenizer) or a ModelConfig, for a from-scratch
-      policy; ignored when model_dir is given.
-    model_dir: start from this Hugging Face checkpoint instead of a random init.
-    tokenizer_dir: the tokenizer the trajectories were written with; default: model_dir's, else
-      the packaged Qwen2 vocabulary.
-    vocab_multiple: a preset's vocab_size is the tokenizer's size rounded up to this.
+    policy: the start: `model_dir` (a Hugging Face checkpoint), else a random `model`
+      (ModelConfig, checked to cover the tokenizer), else the `scratch` preset, initialised
+      with `seed`; `tokenizer_dir` is the tokenizer the trajectories were written with (default:
+      model_dir's, else the packaged Qwen2 vocabulary).
+    scratch: the preset of a from-scratch policy and how its vocabulary is rounded.
     config: steps, batch shape, eval/log/checkpoint cadence, data seed; None: SFTConfig().
     optimizer: AdamW settings; None: `sft.default_optimizer(config.steps)`.
-    mesh_shape: {"data": d, "fsdp": f, "tensor": t} (one may be -1); None: all devices on fsdp.
-    num_devices: use the first this many devices (None: all).
+    mesh: the device mesh (default: all devices on fsdp).
     export_dtype: dtype of the exported weights (None: the parameters' dtype).
-    init_seed: seed of the random init.
     name: the model card's title.
   """
   t0 = time.time()
   config = config or SFTConfig()
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  tok_dir = resolve_tokenizer_dir(tokenizer_dir, model_dir)
+  model_dir, init_seed = policy.model_dir, policy.seed
+  tok_dir = resolve_tokenizer_dir(policy.tokenizer_dir, model_dir)
   tokenizer = Tokenizer.from_dir(tok_dir)
-  mesh = build_mesh(mesh_shape, num_devices)
+  device_mesh = build_mesh(mesh)
 
   # data: read, hash, split by trajectory, sequences
   paths = [trajectories] if isinstance(trajectories, str) else list(trajectories)
@@ -142,11 +159,12 @@ def sft(
 
   # policy
   if model_dir is not None:
-    policy, cfg = hf_io.load(model_dir)
+    net, cfg = hf_io.load(model_dir)
     init = f"{model_dir}"
   else:
-    cfg = resolve_model_config(model, tokenizer.vocab_size, vocab_multiple=vocab_multiple)
-    policy = Transformer(cfg, rngs=nnx.Rngs(init_seed))
+    model = policy.model or scratch.preset
+    cfg = resolve_model_config(model, tokenizer.vocab_size, vocab_multiple=scratch.vocab_multiple)
+    net = Transformer(cfg, rngs=nnx.Rngs(init_seed))
     init = f"random (seed {init_seed}, {model if isinstance(model, str) else 'ModelConfig'})"
   max_id = max(int(s["tokens"].max()) for s in train_seqs + eval_seqs)
   if max_id >= cfg.vocab_size:
@@ -160,13 +178,13 @@ def sft(
   print(
     f"[sft] {stats.trajectories} trajectories -> {len(train_seqs)} train / {len(eval_seqs)} eval "
     f"sequences, {stats.loss_tokens} loss tokens; policy {init}, "
-    f"{cfg.num_params() / 1e6:.2f}M params; mesh {dict(mesh.shape)}",
+    f"{cfg.num_params() / 1e6:.2f}M params; mesh {dict(device_mesh.shape)}",
     flush=True,
   )
-  graphdef, params = nnx.split(policy)
+  graphdef, params = nnx.split(net)
   trainer = SFTTrainer(
     graphdef, params, config=config, train_seqs=train_seqs, eval_seqs=eval_seqs,
-    optimizer=optimizer, out_dir=out, pad_id=tokenizer.pad_id, mesh=mesh,
+    optimizer=optimizer, out_dir=out, pad_id=tokenizer.pad_id, mesh=device_mesh,
     meta={"data_sha256": data_sha},
   )  # fmt: skip
   try:

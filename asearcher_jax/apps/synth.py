@@ -1,8 +1,10 @@
 """`asearcher synth`: synthesize hard, verified QA from a corpus's pages or a seed QA file.
 
-A keyword-only function that gin binds (gin/runs/synth.gin). With no configuration at all it runs
-over the shipped HotpotQA-100 paragraphs with a random tiny policy served in process as all three
-roles: the questions are garbage, but every stage (pages, link graph, calls, checks, logs,
+A keyword-only function of nested frozen configs that gin binds (gin/runs/synth.gin): where the
+seeds come from (`SeedSource`), the three roles (`synthesis.llm.Roles`), the loop's checks
+(`SynthConfig`), the run's limits (`SynthLimits`) and the in-process endpoint (`LocalEndpoint`).
+With no configuration at all it runs over the shipped HotpotQA-100 paragraphs with a random tiny
+policy served in process as all three roles: the questions are garbage, but every stage (pages, link graph, calls, checks, logs,
 output) runs for real. Point the roles at real servers (`serve-model` with a checkpoint, vLLM,
 SGLang, OpenAI) for real data.
 """
@@ -20,8 +22,10 @@ from typing import Any
 
 from asearcher_jax.data.qa import load_dataset
 from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model.loading import PolicyConfig
+from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.synthesis.links import LinkGraph, sample_pages
-from asearcher_jax.synthesis.llm import Budget, RoleConfig
+from asearcher_jax.synthesis.llm import Budget, Roles
 from asearcher_jax.synthesis.loop import Seed, SynthConfig
 from asearcher_jax.synthesis.run import run_synthesis
 from asearcher_jax.tools.retrieval.corpus import PageStore, asset_path, load_passages
@@ -29,6 +33,46 @@ from asearcher_jax.tools.retrieval.corpus import PageStore, asset_path, load_pas
 log = logging.getLogger(__name__)
 
 HOTPOTQA_CORPUS = "corpus/hipporag_hotpotqa_train100_corpus.json.gz"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SeedSource:
+  """Where the pages, the link graph and the seeds come from."""
+
+  # Corpus files whose pages are sampled; None: the shipped HotpotQA-100 paragraphs.
+  corpus_files: tuple[str, ...] | None = None
+  # ASearcher's `{url, contents}` pages jsonl, instead of corpus files.
+  pages_file: str | None = None
+  # ASearcher's links json; None: links from title mentions.
+  links_file: str | None = None
+  # Start from these questions (a shipped QA set's name or a file) instead of sampled pages.
+  seed_qa_file: str | None = None
+  # Pages sampled (or seed questions read).
+  num_seeds: int = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SynthLimits:
+  """How much of the run happens at once and in all."""
+
+  # Seeds grown at once.
+  concurrency: int = 4
+  # LLM calls over all roles; 0: unlimited.
+  max_calls: int = 0
+  # Tokens (prompt + completion) over all roles; 0: unlimited.
+  max_tokens: int = 0
+  # The whole run's time limit (unfinished seeds are not marked done: a re-run continues them).
+  run_timeout_s: float = 3600.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalEndpoint:
+  """Our own `serve-model` facade, in process on loopback, for the roles whose base_url is "local"."""
+
+  # Its policy; default: a random qwen2-tiny (plumbing only: it writes no question).
+  policy: PolicyConfig = PolicyConfig()
+  # Its engine's slots, context and prefill buckets (prompts carry a page: 2,048 positions).
+  engine: EngineConfig = EngineConfig(max_seq_len=2048)
 
 
 def load_store(corpus_files: Sequence[str] | None, pages_file: str | None) -> PageStore:
@@ -77,17 +121,17 @@ def seeds_from_qa(spec: str, store: PageStore, limit: int | None = None) -> list
 
 @contextlib.asynccontextmanager
 async def local_endpoint(
-  model: Any = None, engine: Any = None, seed: int = 0, timeout_s: float = 300.0
+  local: LocalEndpoint = LocalEndpoint(), timeout_s: float = 300.0
 ) -> AsyncIterator[str]:
-  """Our own `serve-model` facade in process on loopback (a random tiny policy by default);
-  yields its /v1 base URL."""
+  """`local` served on 127.0.0.1 (an ephemeral port); yields its /v1 base URL."""
   from asearcher_jax.model.loading import load_policy
   from asearcher_jax.serving.driver import Driver
-  from asearcher_jax.serving.engine import Engine, EngineConfig
+  from asearcher_jax.serving.engine import Engine
   from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
 
-  policy, tokenizer, what = load_policy(None, model, None, seed)
-  eng = Engine.from_model(policy, tokenizer, engine or EngineConfig(max_seq_len=2048))
+  p = local.policy
+  policy, tokenizer, what = load_policy(p.model_dir, p.model, p.tokenizer_dir, p.seed)
+  eng = Engine.from_model(policy, tokenizer, local.engine)
   driver = Driver(eng)
   server = OpenAIServer(driver, OpenAIServerConfig(port=0, request_timeout_s=timeout_s))
   try:
@@ -102,66 +146,50 @@ async def local_endpoint(
 def synth(
   *,
   output_dir: str = "runs/synth",
-  corpus_files: Sequence[str] | None = None,
-  pages_file: str | None = None,
-  links_file: str | None = None,
-  seed_qa_file: str | None = None,
-  num_seeds: int = 8,
+  source: SeedSource = SeedSource(),
   seed: int = 0,
-  concurrency: int = 4,
   config: SynthConfig = SynthConfig(),  # noqa: B008 (frozen config)
-  generator: RoleConfig = RoleConfig(),  # noqa: B008 (frozen config)
-  solver: RoleConfig = RoleConfig(temperature=0.6),  # noqa: B008 (frozen config)
-  judge: RoleConfig = RoleConfig(temperature=0.6),  # noqa: B008 (frozen config)
-  max_calls: int = 0,
-  max_tokens: int = 0,
-  local_model: Any = None,
-  local_engine: Any = None,
-  run_timeout_s: float = 3600.0,
+  roles: Roles = Roles(),
+  limits: SynthLimits = SynthLimits(),
+  local: LocalEndpoint = LocalEndpoint(),
 ) -> int:
   """Runs synthesis; returns 0 (the summary is in `{output_dir}/summary.json`).
 
   Args:
     output_dir: questions.jsonl, progress.jsonl, calls.jsonl, summary.json go here; re-running
       with the same directory resumes (done seeds are skipped, questions deduplicated).
-    corpus_files: corpus files whose pages are sampled (default: shipped HotpotQA-100).
-    pages_file: ASearcher's `{url, contents}` pages jsonl instead of corpus files.
-    links_file: ASearcher's links json; without it the graph comes from title mentions.
-    seed_qa_file: start from these questions (a shipped QA set's name or a file) instead of
-      sampled pages.
-    num_seeds: pages sampled (or seed questions read).
+    source: the corpus or pages file, the link graph, and the seeds (sampled pages or seed QA).
     seed: sampling seed (pages and actions).
-    concurrency: seeds grown at once.
     config: loop and check settings.
-    generator, solver, judge: the three roles' endpoints ("local": in-process tiny serve-model).
-    max_calls, max_tokens: budget over all roles (0: unlimited).
-    local_model, local_engine: ModelConfig / EngineConfig of the "local" endpoint.
-    run_timeout_s: the whole run's time limit.
+    roles: the generator's, solver's and judge's endpoints ("local": `local` below).
+    limits: seeds at once, the call and token budget over all roles, the run's time limit.
+    local: the in-process endpoint that "local" roles share (started only when one asks).
   """
-  store = load_store(corpus_files, pages_file)
-  graph = LinkGraph.from_links_file(links_file, store) if links_file else (
+  src = source
+  store = load_store(src.corpus_files, src.pages_file)
+  graph = LinkGraph.from_links_file(src.links_file, store) if src.links_file else (
     LinkGraph.from_mentions(store))  # fmt: skip
   log.info("synth: %d pages, %d links", len(store), graph.num_edges)
-  if seed_qa_file:
-    seeds = seeds_from_qa(seed_qa_file, store, num_seeds)
+  if src.seed_qa_file:
+    seeds = seeds_from_qa(src.seed_qa_file, store, src.num_seeds)
   else:
-    seeds = seeds_from_pages(store, graph, num_seeds, seed)
+    seeds = seeds_from_pages(store, graph, src.num_seeds, seed)
   if not seeds:
     raise AsearcherError("no seeds: the corpus has no linked pages and no seed QA file was given")
 
   async def main() -> dict[str, Any]:
-    roles = {"generator": generator, "solver": solver, "judge": judge}
+    resolved = roles
     async with contextlib.AsyncExitStack() as stack:
-      if any(r.base_url == "local" for r in roles.values()):
-        url = await stack.enter_async_context(local_endpoint(local_model, local_engine, seed))
-        roles = {
+      if any(r.base_url == "local" for _, r in roles.items()):
+        url = await stack.enter_async_context(local_endpoint(local))
+        resolved = Roles(**{
           k: dataclasses.replace(r, base_url=url) if r.base_url == "local" else r
           for k, r in roles.items()
-        }
+        })  # fmt: skip
       result = await run_synthesis(
-        seeds, store=store, graph=graph, output_dir=output_dir, config=config,
-        concurrency=concurrency, budget=Budget(max_calls=max_calls, max_tokens=max_tokens),
-        rng_seed=seed, run_timeout_s=run_timeout_s, **roles,
+        seeds, store=store, graph=graph, output_dir=output_dir, config=config, roles=resolved,
+        concurrency=limits.concurrency, rng_seed=seed, run_timeout_s=limits.run_timeout_s,
+        budget=Budget(max_calls=limits.max_calls, max_tokens=limits.max_tokens),
       )  # fmt: skip
       return result.summary
 

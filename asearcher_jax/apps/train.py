@@ -38,6 +38,7 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.rl import reward as reward_lib
+from asearcher_jax.rl.episodes import EPISODES_FILE, EpisodeLog
 from asearcher_jax.rl.inflight import ResumeLog
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
@@ -158,8 +159,9 @@ def build_run(
       timeout_s=config.driver.request_timeout_s, retries=6, max_backoff_s=8.0
     )
     remote = RemoteEngines(
-      remote_cfg.address_files, remote_cfg.weights_dir, graphdef, staleness, client=client_cfg
-    )
+      remote_cfg.address_files, remote_cfg.weights_dir, graphdef, staleness,
+      client=client_cfg, sync=remote_cfg.sync,
+    )  # fmt: skip
   replay = ReplayQueue(
     config.replay_config(str(run / "replay")), on_discard=lambda g: staleness.on_discard()
   )
@@ -195,8 +197,11 @@ def build_run(
     replay=replay,
     scorer=scorer,
     engine_stats=engine_stats,
+    episode_log=EpisodeLog(run / EPISODES_FILE),
     resume_log=ResumeLog(run / RESUME_LOG),
   )
+  if not (run / "tokenizer" / "tokenizer.json").exists():  # the vocabulary of the exported ids
+    policy.tokenizer.save(run / "tokenizer")
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(run / "metrics")
   trainer = Trainer(

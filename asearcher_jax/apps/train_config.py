@@ -19,6 +19,7 @@ from asearcher_jax.rl.learner import PPOConfig
 from asearcher_jax.rl.replay import ReplayConfig
 from asearcher_jax.rl.rollout import RolloutConfig
 from asearcher_jax.rl.staleness import StalenessConfig
+from asearcher_jax.rl.weight_sync import WeightSyncConfig
 from asearcher_jax.serving.client import RemoteClientConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
@@ -57,9 +58,12 @@ class RemoteEnginesConfig:
 
   # Address files of the servers (one server per episode, round-robin); (): in-process engine.
   address_files: tuple[str, ...] = ()
-  # Where each policy version is published for them (each server's own weights_dir): a
-  # directory both sides read (local disk on one host, a shared filesystem on a pod).
+  # Where each policy version is published for them (each server's own weights_dir): a weight
+  # store both sides read (a local directory on one host; a shared filesystem or gs://bucket/dir
+  # on a pod).
   weights_dir: str | None = None
+  # How versions are published: their dtype (bf16 by default), versions kept, write timeout.
+  sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
   # Longest wait at start for every server to load the trainer's weights.
   wait_s: float = 600.0
   # Timeouts and retries of the calls to the servers; None: the driver's request timeout and 6

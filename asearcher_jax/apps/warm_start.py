@@ -4,8 +4,9 @@
   expert  the scripted expert plays the real ASearcher agent against the real retrieval server on
           the train split, with configurable imperfection, writing token-exact trajectories;
   sft     `asearcher sft` on those trajectories (a from-scratch policy, loss on generated tokens);
-  hasty   (with `early_answer` > 0) the same expert, careful in every way but one: at each act turn
-          before its chain is resolved it answers with a guess with probability `early_answer`;
+  hasty   (with `HastyStage.early_answer` > 0) the same expert, careful in every way but one: at
+          each act turn before its chain is resolved it answers with a guess with probability
+          `early_answer`;
           a short `asearcher sft` from the stage-1 model on its trajectories;
   eval    greedy accuracy and sampled Avg@k / Pass@k on held-out test questions, with the real
           engine and evaluation harness;
@@ -31,6 +32,7 @@ from asearcher_jax.apps.quickstart import (
   QUICKSTART_AGENT,
   QUICKSTART_ENGINE,
   QUICKSTART_WORLD,
+  QuickstartEval,
   evaluate,
 )
 from asearcher_jax.apps.stages import StageTracker
@@ -41,6 +43,7 @@ from asearcher_jax.apps.world import (
   prepare_world,
 )
 from asearcher_jax.model import steps
+from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
@@ -80,24 +83,59 @@ EARLY_ANSWER_OPTIMIZER = steps.OptimizerConfig(
 _SHIPPED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertStage:
+  """The stage-1 data: the scripted expert on the train split."""
+
+  # Expert episodes per train question.
+  samples_per_question: int = 1
+  # The expert's mistake level (`ExpertConfig.imperfect`): room for RL to improve.
+  imperfection: float = 0.15
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTStage:
+  """Stage 1: `asearcher sft` from scratch on the expert's trajectories."""
+
+  # The from-scratch preset (its vocabulary sized to the world tokenizer).
+  scratch: sft_commands.ScratchModel = sft_commands.ScratchModel()
+  # Steps, batch shape and cadence.
+  config: SFTConfig = WARM_START_SFT
+  # The AdamW schedule.
+  optimizer: steps.OptimizerConfig = WARM_START_OPTIMIZER
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HastyStage:
+  """The hasty stage (see EARLY_ANSWER_SFT): a short SFT from the stage-1 model on an expert that
+  answers early (one episode per train question, expert seed + 1)."""
+
+  # The expert's probability of answering with a guess at each act turn before its chain is
+  # resolved; 0 skips the stage.
+  early_answer: float = 0.5
+  # Steps, batch shape and cadence.
+  config: SFTConfig = EARLY_ANSWER_SFT
+  # The AdamW schedule.
+  optimizer: steps.OptimizerConfig = EARLY_ANSWER_OPTIMIZER
+
+
 def evaluate_model_dir(
   model_dir: Path,
   files: WorldFiles,
   out_dir: Path,
   *,
-  eval_questions: int | None,
-  k: int,
+  evaluation: QuickstartEval = QuickstartEval(),
   temperature: float,
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
-  seed: int = 0,
 ) -> dict[str, Any]:
   """Greedy (k = 1) and sampled (Avg@k, Pass@k) scores of a model directory on the test split."""
   from asearcher_jax.model.loading import load_policy
   from asearcher_jax.serving.driver import Driver, DriverConfig
   from asearcher_jax.serving.engine import Engine
 
-  policy, tokenizer, _ = load_policy(str(model_dir), None, str(model_dir), seed)
+  ev = evaluation
+  policy, tokenizer, _ = load_policy(str(model_dir), None, str(model_dir), ev.seed)
   eng = Engine.from_model(policy, tokenizer, engine)
   eng.warmup(modes=("greedy", "sample"))  # compile once, so evaluation times are serving times
   driver = Driver(eng, DriverConfig())
@@ -106,10 +144,10 @@ def evaluate_model_dir(
       common = dict(
         client=driver, tokenizer=tokenizer, questions=files.test,
         retrieval_address=server.address, out_dir=out_dir, policy=str(model_dir.resolve()),
-        limit=eval_questions, agent=agent, concurrency=32, seed=seed,
+        limit=ev.questions, agent=agent, concurrency=ev.concurrency, seed=ev.seed,
       )  # fmt: skip
       greedy = evaluate(**common, k=1, temperature=0.0)
-      sampled = evaluate(**common, k=k, temperature=temperature)
+      sampled = evaluate(**common, k=ev.k, temperature=temperature)
   finally:
     driver.close()
   return {"greedy": greedy, "sampled": sampled, "temperature": temperature}
@@ -119,19 +157,13 @@ def warm_start(
   *,
   out_dir: str = "runs/warm_start",
   world: SynthWikiConfig = QUICKSTART_WORLD,
-  samples_per_question: int = 1,
-  imperfection: float = 0.15,
-  model: str = "synthwiki-2m",
-  sft: SFTConfig = WARM_START_SFT,
-  optimizer: steps.OptimizerConfig = WARM_START_OPTIMIZER,
-  early_answer: float = 0.5,
-  early_answer_sft: SFTConfig = EARLY_ANSWER_SFT,
-  early_answer_optimizer: steps.OptimizerConfig = EARLY_ANSWER_OPTIMIZER,
-  eval_questions: int | None = 64,
-  k: int = 4,
+  expert: ExpertStage = ExpertStage(),
+  sft: SFTStage = SFTStage(),
+  hasty: HastyStage = HastyStage(),
+  evaluation: QuickstartEval = QuickstartEval(),
   temperature: float = 1.0,
-  ship_to: str | None = None,
   engine: EngineConfig = QUICKSTART_ENGINE,
+  ship_to: str | None = None,
   seed: int = 0,
 ) -> int:
   """Makes (or, rerun on the same out_dir, resumes) the SynthWiki warm start; see module doc.
@@ -139,61 +171,57 @@ def warm_start(
   Args:
     out_dir: world, expert trajectories, the SFT run (its `model/` is the checkpoint), evals.
     world: the SynthWiki world (the quickstart must use the same one).
-    samples_per_question: expert episodes per train question.
-    imperfection: the expert's mistake level (`ExpertConfig.imperfect`), room for RL to improve.
-    model: the from-scratch policy preset (vocab sized to the world tokenizer).
-    sft / optimizer: SFT steps, batch shape and AdamW schedule.
-    early_answer: the hasty stage's probability of answering early per unresolved act turn (one
-      episode per train question, expert seed + 1); 0 skips the stage.
-    early_answer_sft / early_answer_optimizer: that stage's fine-tuning from the stage-1 model.
-    eval_questions / k / temperature: held-out evaluation (the quickstart's settings).
+    expert: episodes per train question and the expert's mistake level.
+    sft: stage 1's from-scratch preset, SFT steps, batch shape and AdamW schedule.
+    hasty: the hasty stage's early-answer probability (0 skips it) and its fine-tuning.
+    evaluation: held-out questions, k and concurrency (the quickstart's evaluation settings);
+      its seed is the evaluation's.
+    temperature: sampling temperature of the Avg@k / Pass@k evaluation.
+    engine: the evaluation engine's slots, context and prefill buckets.
     ship_to: copy the model directory and its card here (the quickstart's default is
       asearcher_jax/assets/checkpoints/synthwiki_sft).
-    engine: the evaluation engine's slots, context and prefill buckets.
-    seed: expert and evaluation seed.
+    seed: the expert's seed (the hasty expert's is seed + 1) and the SFT init seed.
   """  # fmt: skip
   t0 = time.time()
   out = Path(out_dir)
   plan = [("world", 3), ("expert", 40), ("sft", 1200)]
-  plan += [("hasty", 300)] if early_answer > 0 else []
+  plan += [("hasty", 300)] if hasty.early_answer > 0 else []
   tracker = StageTracker([*plan, ("eval", 120), ("card", 2)], prefix="warm-start")
   with tracker.stage("world"):
     sw, files = prepare_world(out / "world", world)
   with tracker.stage("expert"):
     data = out / "expert_trajectories.jsonl"
-    expert = expert_trajectories(
-      sw, files, data, samples_per_question=samples_per_question, imperfection=imperfection,
-      seed=seed,
+    expert_stats = expert_trajectories(
+      sw, files, data, samples_per_question=expert.samples_per_question,
+      imperfection=expert.imperfection, seed=seed,
     )  # fmt: skip
   with tracker.stage("sft"):
     sft_commands.sft(
-      trajectories=str(data), out_dir=str(out / "sft"), model=model,
-      tokenizer_dir=str(files.tokenizer), config=sft, optimizer=optimizer, init_seed=seed,
+      trajectories=str(data), out_dir=str(out / "sft"),
+      policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=seed), scratch=sft.scratch,
+      config=sft.config, optimizer=sft.optimizer,
       name="SynthWiki warm start (asearcher warm-start)",
     )  # fmt: skip
   model_dir = out / "sft" / "model"
-  hasty = None
-  if early_answer > 0:
+  hasty_card = None
+  if hasty.early_answer > 0:
     with tracker.stage("hasty"):
-      hasty = hasty_stage(
-        sw, files, out, model_dir, early_answer=early_answer, sft=early_answer_sft,
-        optimizer=early_answer_optimizer, seed=seed + 1,
-      )  # fmt: skip
+      hasty_card = hasty_stage(sw, files, out, model_dir, hasty=hasty, seed=seed + 1)
     model_dir = out / "hasty" / "sft" / "model"
   with tracker.stage("eval"):
     scores = evaluate_model_dir(
-      model_dir, files, out / "eval", eval_questions=eval_questions, k=k,
-      temperature=temperature, engine=engine, seed=seed,
+      model_dir, files, out / "eval", evaluation=evaluation, temperature=temperature,
+      engine=engine,
     )  # fmt: skip
   with tracker.stage("card"):
     card = {
       "command": "asearcher warm-start --gin_file gin/experiments/warm_start.gin",
       "world": dataclasses.asdict(world),
       "world_digest": files.digest,
-      "expert": {"imperfection": imperfection, "samples_per_question": samples_per_question,
-                 **expert},
+      "expert": {"imperfection": expert.imperfection,
+                 "samples_per_question": expert.samples_per_question, **expert_stats},
       "sft_summary": json.loads((out / "sft" / "sft_summary.json").read_text()),
-      "hasty": hasty,
+      "hasty": hasty_card,
       "greedy_em": scores["greedy"]["avg_em"],
       "sampled_avg_em": scores["sampled"]["avg_em"],
       "sampled_pass_em": scores["sampled"]["pass_em"],
@@ -203,7 +231,7 @@ def warm_start(
     }  # fmt: skip
     (out / "warm_start.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
     sft_cards = [out / "sft" / "model_card.md"]
-    sft_cards += [out / "hasty" / "sft" / "model_card.md"] if hasty else []
+    sft_cards += [out / "hasty" / "sft" / "model_card.md"] if hasty_card else []
     _write_card(out / "model_card.md", card, sft_cards)
     if ship_to:
       ship(model_dir, out, Path(ship_to))
@@ -213,9 +241,8 @@ def warm_start(
 
 
 def hasty_stage(
-  sw: SynthWiki, files: WorldFiles, out: Path, init_dir: Path, *, early_answer: float, sft: SFTConfig,
-  optimizer: steps.OptimizerConfig, seed: int,
-) -> dict[str, Any]:  # fmt: skip
+  sw: SynthWiki, files: WorldFiles, out: Path, init_dir: Path, *, hasty: HastyStage, seed: int
+) -> dict[str, Any]:
   """Fine-tunes `init_dir` on an expert whose only mistake is answering early (see
   EARLY_ANSWER_SFT); writes out/hasty/{expert_trajectories.jsonl, sft/}."""
   from asearcher_jax.synthwiki.expert import ExpertConfig
@@ -223,15 +250,16 @@ def hasty_stage(
   data = out / "hasty" / "expert_trajectories.jsonl"
   data.parent.mkdir(parents=True, exist_ok=True)
   expert = expert_trajectories(
-    sw, files, data, expert=ExpertConfig(seed=seed, p_guess=early_answer), seed=seed
+    sw, files, data, expert=ExpertConfig(seed=seed, p_guess=hasty.early_answer), seed=seed
   )
   sft_commands.sft(
-    trajectories=str(data), out_dir=str(out / "hasty" / "sft"), model_dir=str(init_dir),
-    tokenizer_dir=str(files.tokenizer), config=sft, optimizer=optimizer, init_seed=seed,
+    trajectories=str(data), out_dir=str(out / "hasty" / "sft"),
+    policy=PolicyConfig(model_dir=str(init_dir), tokenizer_dir=str(files.tokenizer), seed=seed),
+    config=hasty.config, optimizer=hasty.optimizer,
     name="SynthWiki warm start, hasty stage (asearcher warm-start)",
   )  # fmt: skip
   summary = json.loads((out / "hasty" / "sft" / "sft_summary.json").read_text())
-  return {"early_answer": early_answer, **expert, "sft_summary": summary}
+  return {"early_answer": hasty.early_answer, **expert, "sft_summary": summary}
 
 
 def ship(model_dir: Path, out: Path, dest: Path) -> None:

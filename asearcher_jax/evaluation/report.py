@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import plotting
 from asearcher_jax.evaluation.runner import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -216,15 +217,14 @@ def write_plots(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> list[Path]:
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name, rs in sorted(by_ds.items()):
     metric = "judge" if any(r["judge"] is not None for r in rs) else "f1"
-    bins: dict[int, list[float]] = collections.defaultdict(list)
-    for r in rs:
-      if r[metric] is not None:
-        bins[int(r["turns"])].append(float(r[metric]))
-    xs = sorted(bins)
-    ax.plot(xs, [_mean(bins[x]) for x in xs], marker="o", label=f"{name} ({metric})")
+    done = [r for r in rs if r[metric] is not None]
+    plotting.plot_scatter_means(
+      ax, [int(r["turns"]) for r in done], [float(r[metric]) for r in done],
+      label=f"{name} ({metric})",
+    )  # fmt: skip
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel("LLM turns in the episode")
-  ax.set_ylabel("accuracy (mean over results)")
+  ax.set_ylabel("accuracy (line: mean; dots: each result)")
   ax.set_title("Accuracy vs turns")
   ax.set_ylim(-0.02, 1.02)
   ax.grid(alpha=0.3)

@@ -316,6 +316,16 @@ class ResumeLog:
     self.path = Path(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
 
+  def hook(
+    self, key: str, episode: int, saved: EpisodeJournal, tools: Any
+  ) -> Callable[[JournalClient], Awaitable[None]]:
+    """The `on_replayed` callback of one resumed episode's JournalClient."""
+
+    async def replayed(client: JournalClient) -> None:
+      await self.record(key, episode, saved, client, tools)
+
+    return replayed
+
   async def record(
     self, key: str, episode: int, saved: EpisodeJournal, client: JournalClient, tools: Any
   ) -> None:
@@ -326,6 +336,7 @@ class ResumeLog:
       "replayed_tools": tools.replayed_tools if tools is not None else 0,
       "saved_partial_tokens": len(saved.partial["tokens"]) if saved.partial else 0,
       "continued_tokens": client.resumed_tokens, "diverged": client.mismatched,
+      "live_calls_before": client.live_calls,
     }  # fmt: skip
     line = json.dumps(rec) + "\n"
     await asyncio.to_thread(self._append, line)

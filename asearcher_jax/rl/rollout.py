@@ -31,16 +31,18 @@ from typing import Any, Literal
 from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.data.qa import QAExample
+from asearcher_jax.rl import inflight
 from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
-from asearcher_jax.rl.inflight import (
-  EpisodeJournal,
-  GroupJournal,
-  JournalClient,
-  JournalToolBox,
-  ResumeLog,
-)
+from asearcher_jax.rl.episodes import EpisodeLog
+from asearcher_jax.rl.inflight import EpisodeJournal, GroupJournal, JournalClient, JournalToolBox
 from asearcher_jax.rl.replay import Group, ReplayQueue
-from asearcher_jax.rl.scoring import RolloutStats, Scorer, answer_scorer, score_group
+from asearcher_jax.rl.scoring import (
+  GroupScores,
+  RolloutStats,
+  Scorer,
+  answer_scorer,
+  score_group,
+)
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.serving.types import GenerationClient
 
@@ -135,10 +137,13 @@ class RolloutController:
     replay: ReplayQueue,
     scorer: Scorer | None = None,
     engine_stats: Callable[[], Mapping[str, float]] | None = None,
-    resume_log: ResumeLog | None = None,
+    episode_log: EpisodeLog | None = None,
+    resume_log: inflight.ResumeLog | None = None,
   ) -> None:
+    """`episode_log`: exports every finished episode for inspection (`rl.episodes`);
+    `resume_log`: a line per episode resumed from its journal, once its replay ends."""
     self.config = config
-    self.resume_log = resume_log  # a line per resumed episode once its replay ends
+    self.episode_log, self.resume_log = episode_log, resume_log
     self.items = list(items)
     self.agents = agents
     self.staleness = staleness
@@ -228,9 +233,7 @@ class RolloutController:
     out, so a restart never runs a group whose result already exists."""
     done = {group_item_key(g) for g in [*self.replay.pending_ids(), *exclude_groups]}
     with self._lock:
-      # Groups restored but not yet admitted again keep their saved journals.
-      journals = [j for k, j in self._journals.items() if k not in done]
-      journals += [j for j in self._resume if j.key not in done]
+      journals = [j for j in [*self._journals.values(), *self._resume] if j.key not in done]
       return {
         "cursor": self.cursor.state_dict(),
         "inflight": [j.snapshot() for j in journals],
@@ -393,6 +396,7 @@ class RolloutController:
     if outcome.usable >= 2 and isinstance(self.cursor, CurriculumCursor):
       with self._lock:
         self.cursor.observe(index, mixed=outcome.advantages is not None)
+    await self._export(key, item, trajs, (version, self.staleness.version), outcome)
     lengths = [sum(s.num_tokens for s in t.training_sequences()) for t in ran]
     if outcome.rejection is not None:
       self._count(groups_rejected=1, **{outcome.rejection: 1})
@@ -429,6 +433,18 @@ class RolloutController:
     # the trainer is fed only if this stays under ~(eta + 1) training steps (Little's law).
     self._sample(group_s=time.time() - created)
     return True
+
+  async def _export(self, key: str, item: QAExample, trajs: Sequence[Trajectory | None],
+                    versions: tuple[int, int], outcome: GroupScores) -> None:  # fmt: skip
+    """Appends the group's episodes to the episode log; a failure is logged, never fatal."""
+    if self.episode_log is not None:
+      try:
+        await asyncio.wait_for(asyncio.to_thread(
+          self.episode_log.append_group, group_id=f"{key}/{item.id}", qid=item.id,
+          trajectories=trajs, versions=versions, scores=outcome.scores,
+          advantages=outcome.advantages, rejection=outcome.rejection), 60)  # fmt: skip
+      except Exception:
+        log.exception("episode export failed for group %s", key)
 
   async def _push(self, group: Group) -> bool:
     """`replay.push` on a worker thread in short slices (a full queue must not delay stop())."""
@@ -473,7 +489,6 @@ class RolloutController:
           + sum(len(r["tokens"]) for r in client.journal.calls[: client.replayed_calls]),
           resumed_tool_calls=tools.replayed_tools if tools is not None else 0,
           resumed_diverged=int(client.mismatched),
-          llm_calls_live=client.live_calls,
         )
       if not traj.environment_failure:
         return traj
@@ -492,15 +507,9 @@ class RolloutController:
       group.episodes[i] = journal
     src = self.agents
     tools = JournalToolBox(src.toolbox, journal, saved) if src.toolbox is not None else None
-    log_ = self.resume_log
-
-    async def replayed(c: JournalClient) -> None:
-      self._count(episodes_resumed=1)
-      if log_ is not None and saved is not None:
-        await log_.record(group.key, i, saved, c, tools)
-
+    hook = self.resume_log.hook(group.key, i, saved, tools) if self.resume_log and saved else None
     client = JournalClient(
-      src.client(), journal, saved, default_stop_ids=src.stop_token_ids, on_replayed=replayed
+      src.client(), journal, saved, default_stop_ids=src.stop_token_ids, on_replayed=hook
     )
     return src.factory(client, tools), client, tools
 

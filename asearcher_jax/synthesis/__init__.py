@@ -1,12 +1,12 @@
 """QA synthesis: grounded, hard, verified questions by fact injection and fuzzing (issue 9).
 
-`run.run_synthesis` is the library entry point (tests, SynthWiki); `commands.synth` is the
+`run.run_synthesis` is the library entry point (tests, SynthWiki); `apps.synth.synth` is the
 `asearcher synth` subcommand. See `loop` for the checks, `oracle` for exact checking against a
 procedural world, `links` for the link graph and `prompts` for the versioned prompts.
 """
 
 from asearcher_jax.synthesis.links import LinkGraph, sample_pages
-from asearcher_jax.synthesis.llm import Budget, CallFailed, CallLog, LLMRole, RoleConfig
+from asearcher_jax.synthesis.llm import Budget, CallFailed, CallLog, LLMRole, RoleConfig, Roles
 from asearcher_jax.synthesis.loop import QAState, Seed, Stats, SynthConfig, Synthesizer
 from asearcher_jax.synthesis.oracle import (
   Fuzz,
@@ -21,6 +21,6 @@ from asearcher_jax.synthesis.run import RunResult, run_synthesis
 
 __all__ = [
   "Budget", "CallFailed", "CallLog", "Fuzz", "LLMRole", "LinkGraph", "Oracle", "OracleQuery",
-  "OracleVerdict", "QAState", "RoleConfig", "RunResult", "Seed", "Stats", "SynthConfig",
+  "OracleVerdict", "QAState", "RoleConfig", "Roles", "RunResult", "Seed", "Stats", "SynthConfig",
   "Synthesizer", "TripleOracle", "check", "run_synthesis", "sample_pages", "vague_matches",
 ]  # fmt: skip

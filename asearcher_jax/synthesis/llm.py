@@ -62,6 +62,23 @@ class RoleConfig:
       raise AsearcherError(f"role base_url must be an http(s) URL or 'local': {self.base_url!r}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Roles:
+  """The three roles of a synthesis run (ASearcher's sampling: generator 0.8, solver and judge 0.6)."""
+
+  # Writes the base QA, picks and makes each edit (injection / fuzzing), and runs the quality,
+  # duplicate and alternative-answer checks.
+  generator: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+  # Answers each candidate without its statements (the difficulty test).
+  solver: RoleConfig = dataclasses.field(default_factory=lambda: RoleConfig(temperature=0.6))
+  # Grades the solver's answers that are not exact matches (grader "judge").
+  judge: RoleConfig = dataclasses.field(default_factory=lambda: RoleConfig(temperature=0.6))
+
+  def items(self) -> tuple[tuple[str, RoleConfig], ...]:
+    """(name, config) of each role, generator first."""
+    return (("generator", self.generator), ("solver", self.solver), ("judge", self.judge))
+
+
 class CallFailed(Exception):
   """A call gave no usable output after all attempts; `reason` is a short counted tag
   ("timeout", "http_500", "bad_response", "empty", "malformed", "refused", "budget")."""

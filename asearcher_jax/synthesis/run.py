@@ -25,7 +25,7 @@ from typing import Any
 from asearcher_jax.evaluation.metrics import normalize_answer
 from asearcher_jax.synthesis import prompts as P
 from asearcher_jax.synthesis.links import LinkGraph
-from asearcher_jax.synthesis.llm import Budget, CallLog, LLMRole, RoleConfig
+from asearcher_jax.synthesis.llm import Budget, CallLog, LLMRole, Roles
 from asearcher_jax.synthesis.loop import Seed, Stats, SynthConfig, Synthesizer
 from asearcher_jax.synthesis.oracle import Oracle
 from asearcher_jax.tools.retrieval.corpus import PageStore
@@ -91,9 +91,7 @@ async def run_synthesis(
   graph: LinkGraph,
   output_dir: str | Path,
   config: SynthConfig = SynthConfig(),  # noqa: B008 (frozen config)
-  generator: RoleConfig,
-  solver: RoleConfig,
-  judge: RoleConfig,
+  roles: Roles,
   concurrency: int = 4,
   budget: Budget | None = None,
   oracle: Oracle | None = None,
@@ -102,19 +100,16 @@ async def run_synthesis(
 ) -> RunResult:
   """Grows every seed not already done in `output_dir`, `concurrency` at a time.
 
-  Roles must have http(s) base URLs here (`commands.synth` resolves "local"). The run ends
+  Roles must have http(s) base URLs here (`apps.synth` resolves "local"). The run ends
   after `run_timeout_s` at the latest; unfinished seeds are not marked done, so a re-run
   continues them."""
   out = Output(output_dir)
   budget = budget or Budget()
   call_log = CallLog(out.dir / "calls.jsonl")
-  roles = [
-    LLMRole(name, cfg, log=call_log, budget=budget)
-    for name, cfg in (("generator", generator), ("solver", solver), ("judge", judge))
-  ]
+  llms = [LLMRole(name, cfg, log=call_log, budget=budget) for name, cfg in roles.items()]
   stats = Stats()
   synth = Synthesizer(
-    config, generator=roles[0], solver=roles[1], judge=roles[2], store=store, graph=graph,
+    config, generator=llms[0], solver=llms[1], judge=llms[2], store=store, graph=graph,
     oracle=oracle, stats=stats,
   )  # fmt: skip
   todo = [s for s in seeds if s.id not in out.done]
@@ -145,7 +140,7 @@ async def run_synthesis(
     for t in tasks:
       t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    for r in roles:
+    for r in llms:
       await r.close()
   elapsed = time.perf_counter() - t0
   summary = {
@@ -156,7 +151,7 @@ async def run_synthesis(
     "candidates_per_min": round(stats.candidates / elapsed * 60, 2) if elapsed > 0 else None,
     "timed_out": timed_out, "concurrency": concurrency, "prompts": dict(P.PROMPT_SET),
     "config": dataclasses.asdict(config),
-    "roles": {r.name: {"model": r.config.model, "base_url": r.config.base_url} for r in roles},
+    "roles": {r.name: {"model": r.config.model, "base_url": r.config.base_url} for r in llms},
   }  # fmt: skip
   (out.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
   log.info(

@@ -257,3 +257,33 @@ class ScriptedServer:
       return web.json_response({"object": "chat.completion", "choices": [choice], "usage": usage})
 
     return handle
+
+
+async def toy_synthesis(out_dir: str, *, seeds: int = 12, timeout_s: float = 60.0) -> dict:
+  """A small synthesis run, offline: the toy world, this scripted model as every role behind a
+  loopback server, the triple oracle. For notebooks and tests that need a real synthesis output
+  directory without an LLM; returns the run's summary."""
+  import hashlib
+
+  from asearcher_jax.synthesis import RoleConfig, SynthConfig, run_synthesis
+  from asearcher_jax.synthesis.links import sample_pages
+  from asearcher_jax.synthesis.loop import Seed
+
+  server = ScriptedServer()
+  await asyncio.wait_for(server.start(), timeout_s)
+  try:
+    store, graph = W.store(), W.graph()
+    urls = sample_pages(store, graph, seeds, seed=0, min_degree=1)
+    role = RoleConfig(base_url=server.url, timeout_s=5.0, backoff_s=0.01)
+    result = await asyncio.wait_for(
+      run_synthesis(
+        [Seed(id="p" + hashlib.sha256(u.encode()).hexdigest()[:12], url=u) for u in urls],
+        store=store, graph=graph, output_dir=out_dir, generator=role, solver=role, judge=role,
+        config=SynthConfig(num_solver_samples=4, max_turns=4, seed_timeout_s=20),
+        oracle=W.oracle(), run_timeout_s=timeout_s,
+      ),
+      timeout_s + 5,
+    )  # fmt: skip
+    return result.summary
+  finally:
+    await server.stop()

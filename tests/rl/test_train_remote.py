@@ -29,6 +29,7 @@ from asearcher_jax.apps import serve_model as serving_commands
 from asearcher_jax.apps.train_config import RemoteEnginesConfig
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model.loading import PolicyConfig
+from asearcher_jax.rl.weight_sync import WeightSyncConfig
 from asearcher_jax.serving.client import read_address
 from asearcher_jax.serving.engine import EngineConfig
 from tests.rl.test_trainer_e2e import (
@@ -88,8 +89,11 @@ def test_train_generates_on_a_served_engine_fed_through_the_weights_dir(
   servers = [proc]
   run = build(
     tmp_path / "run", byte_tok_dir, eta=1, steps=3,
+    # float32 versions (not the default bf16): step 1's logprobs below must be the learner's
+    # own; the bf16 path is served end to end in tests/serving/test_serve_model_command.py.
     remote=RemoteEnginesConfig(
-      address_files=(str(addr),), weights_dir=str(weights), wait_s=120
+      address_files=(str(addr),), weights_dir=str(weights), wait_s=120,
+      sync=WeightSyncConfig(dtype=None),
     ),
   )  # fmt: skip
   assert run.engine is None and run.driver is None
@@ -129,7 +133,8 @@ def test_train_generates_on_a_served_engine_fed_through_the_weights_dir(
   # Step 1 trained on version-0 tokens only: the server's logprobs are the learner's (its own
   # seed-7 weights would not).
   first = run.trainer.history[0]
-  # Measured: behav_kl 3e-8 and max weight 1.0000005 here; 8e-3 when the server kept its init.
+  # Measured: behav_kl 3e-8 and max weight 1.0000005 here; 8e-3 when the server kept its init;
+  # 1.8e-5 with bf16 versions (2026-11-25).
   assert abs(first["ppo/behav_kl"]) < 1e-5 and first["ppo/imp_weight_max"] < 1.001
   _, committed, _ = replay_logs(tmp_path / "run" / "replay")
   assert len(committed) == 3

@@ -1,7 +1,7 @@
 """Weight sync: in process, a real Learner's new weights reach the real Driver mid-generation
 (engine-stamped versions change inside one request) and the version reaches the staleness
-manager; across processes (simulated with two objects and a temp dir), a versioned safetensors
-directory behind an atomic LATEST pointer is picked up by a watcher."""
+manager; across processes (simulated with two objects and a temp dir), a version published to the
+weight store (bf16 by default) behind an atomic LATEST pointer is picked up by a watcher."""
 
 from __future__ import annotations
 
@@ -50,6 +50,13 @@ def one_group(seed: int = 0) -> Group:
       "versions": np.where(mask > 0, 0, -1).astype(np.int32),
     }])  # fmt: skip
   return Group(group_id=f"g{seed}", trajectories=trajs, rewards=[1.0, -1.0], created_version=0)
+
+
+def bf16(tree):
+  """What a bf16 store hands a float32 server: each weight rounded to bf16."""
+  return jax.tree.map(
+    lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(x.dtype)), tree
+  )
 
 
 def leaves_equal(a, b) -> bool:
@@ -111,24 +118,31 @@ def test_directory_publish_and_watch(tmp_path):
   sink = RecordingSink()
   watcher = DirectoryWeightWatcher(tmp_path / "weights", sink, version=0)
   assert watcher.poll_once() is None  # nothing published yet
-  # A half-written directory (no pointer yet) is invisible.
-  (tmp_path / "weights" / "v00000001.tmp").mkdir()
+  # A half-written version (no commit marker, no pointer yet) is invisible.
+  (tmp_path / "weights" / "v00000001" / "params").mkdir(parents=True)
   assert watcher.poll_once() is None
 
   learner.train_step([one_group(0)])
-  publisher.publish(learner)
+  metrics = publisher.publish(learner)
   assert staleness.version == 1
+  n = sum(x.size for x in jax.tree.leaves(learner.params))
+  assert metrics["weight_sync/gb"] == pytest.approx(2 * n / 1e9)  # bf16
+  assert metrics["weight_sync/s_per_gb"] == pytest.approx(
+    metrics["weight_sync/total_s"] / (2 * n / 1e9)
+  )
   assert read_latest(tmp_path / "weights")["version"] == 1
   assert watcher.poll_once() == 1 and watcher.poll_once() is None  # applied once
+  assert watcher.last_load["gb"] == pytest.approx(4 * n / 1e9) and watcher.last_load["load_s"] > 0
   params, version = sink.updates[-1]
-  assert version == 1 and leaves_equal(params, learner.params)
+  assert version == 1 and leaves_equal(params, bf16(learner.params))
+  assert not leaves_equal(params, learner.params)  # published as bf16, loaded as float32
 
   learner.train_step([one_group(1)])
   publisher.publish(learner)
   names = sorted(p.name for p in (tmp_path / "weights").iterdir())
-  assert names == [LATEST, "v00000002"]  # keep_versions=1 pruned v1 and the stray .tmp
+  assert names == [LATEST, "v00000002"]  # keep_versions=1 pruned v1
   assert json.loads((tmp_path / "weights" / LATEST).read_text())["path"] == "v00000002"
-  assert watcher.poll_once() == 2 and leaves_equal(sink.updates[-1][0], learner.params)
+  assert watcher.poll_once() == 2 and leaves_equal(sink.updates[-1][0], bf16(learner.params))
 
 
 def test_watcher_runs_whatever_the_pointer_names(tmp_path):
@@ -153,7 +167,7 @@ def test_watcher_runs_whatever_the_pointer_names(tmp_path):
   time.sleep(0.01)
   publisher.write(at_v0, 0)
   assert watcher.poll_once() == 0 and sink.recomputes[-1] is True
-  assert leaves_equal(sink.updates[-1][0], at_v0) and watcher.version == 0
+  assert leaves_equal(sink.updates[-1][0], bf16(at_v0)) and watcher.version == 0
 
 
 def test_watcher_thread_feeds_a_real_driver(tmp_path, make_driver):  # noqa: F811
@@ -172,7 +186,7 @@ def test_watcher_thread_feeds_a_real_driver(tmp_path, make_driver):  # noqa: F81
       time.sleep(0.02)
   finally:
     watcher.stop()
-  assert watcher.loaded == [1] and leaves_equal(driver._params.state, learner.params)
+  assert watcher.loaded == [1] and leaves_equal(driver._params.state, bf16(learner.params))
 
 
 def test_config_validation():

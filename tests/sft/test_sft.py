@@ -243,7 +243,7 @@ def test_sft_command_end_to_end(tmp_path, tok, tok_dir, trajs, fresh_gin):
     f"--gin_param=TRAJECTORIES='{data}'",
     f"--gin_param=TOKENIZER_DIR='{tok_dir}'",
     f"--gin_param=commands.sft.out_dir='{out}'",
-    "--gin_param=commands.sft.num_devices=2",
+    "--gin_param=commands.MeshConfig.num_devices=2",
     "--gin_param=sft.SFTConfig.steps=4",
     "--gin_param=sft.SFTConfig.row_len=256",
     "--gin_param=sft.SFTConfig.rows_per_batch=2",

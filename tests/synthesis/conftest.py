@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from asearcher_jax.apps.synth import seeds_from_pages
-from asearcher_jax.synthesis import RoleConfig, SynthConfig, run_synthesis
+from asearcher_jax.synthesis import RoleConfig, Roles, SynthConfig, run_synthesis
 from asearcher_jax.testing import synth_toyworld as W
 from asearcher_jax.testing.synth_scripted import ScriptedServer
 
@@ -43,8 +43,7 @@ async def run_toy(url: str, out_dir, *, config=FAST, oracle=True, n=20, roles=No
   return await asyncio.wait_for(
     run_synthesis(
       seeds, store=store, graph=graph, output_dir=out_dir, config=config,
-      generator=r.get("generator", role(url)), solver=r.get("solver", role(url)),
-      judge=r.get("judge", role(url)), oracle=W.oracle() if oracle else None,
+      roles=Roles(**{k: r.get(k, role(url)) for k in ("generator", "solver", "judge")}), oracle=W.oracle() if oracle else None,
       run_timeout_s=limit, **kw,
     ),
     limit + 5,

@@ -8,6 +8,9 @@ import asyncio
 import json
 
 from asearcher_jax.apps.synth import (
+  LocalEndpoint,
+  SeedSource,
+  SynthLimits,
   load_store,
   local_endpoint,
   seeds_from_pages,
@@ -15,8 +18,9 @@ from asearcher_jax.apps.synth import (
   synth,
 )
 from asearcher_jax.model import presets
+from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
-from asearcher_jax.synthesis import LinkGraph, RoleConfig, Seed, SynthConfig, run_synthesis
+from asearcher_jax.synthesis import LinkGraph, RoleConfig, Roles, Seed, SynthConfig, run_synthesis
 from asearcher_jax.synthesis.synthwiki_oracle import synthwiki_oracle, synthwiki_pages
 from asearcher_jax.synthwiki.wiki import TINY, build_world
 from asearcher_jax.testing import synth_toyworld as W
@@ -36,7 +40,10 @@ def _rows(path):
 
 async def test_tiny_policy_as_all_roles_on_the_toy_world(tmp_path):
   model = presets.model_config(name="qwen2-tiny")
-  async with asyncio.timeout(240), local_endpoint(model, ENGINE) as url:
+  async with (
+    asyncio.timeout(240),
+    local_endpoint(LocalEndpoint(policy=PolicyConfig(model=model), engine=ENGINE)) as url,
+  ):
     r = _tiny_role(url)
     # Two page seeds (the generator must write a base QA) and one seed QA (straight to checks).
     qa = Seed(
@@ -51,7 +58,7 @@ async def test_tiny_policy_as_all_roles_on_the_toy_world(tmp_path):
     store, graph = synthwiki_pages(world)
     sw = await run_synthesis(
       seeds_from_pages(store, graph, 2, 0), store=store, graph=graph,
-      output_dir=tmp_path / "sw", config=CFG, generator=r, solver=r, judge=r,
+      output_dir=tmp_path / "sw", config=CFG, roles=Roles(generator=r, solver=r, judge=r),
       oracle=synthwiki_oracle(world), run_timeout_s=100,
     )  # fmt: skip
     # Seed questions from the shipped HotpotQA set go straight to the checks.
@@ -59,7 +66,7 @@ async def test_tiny_policy_as_all_roles_on_the_toy_world(tmp_path):
     hq = await run_synthesis(
       seeds_from_qa("hotpotqa_train100", hotpot, limit=2), store=hotpot,
       graph=LinkGraph.from_mentions(hotpot), output_dir=tmp_path / "hotpot_qa", config=CFG,
-      generator=r, solver=r, judge=r, run_timeout_s=100,
+      roles=Roles(generator=r, solver=r, judge=r), run_timeout_s=100,
     )  # fmt: skip
   assert hq.summary["candidates"] == 2 and hq.summary["written"] == 0
   assert all(k.startswith(("quality:", "format:")) for k in hq.summary["rejected"])
@@ -83,8 +90,9 @@ async def test_tiny_policy_as_all_roles_on_the_toy_world(tmp_path):
 def test_synth_command_on_hotpotqa_with_local_tiny_policy(tmp_path):
   out = tmp_path / "hotpot"
   code = synth(
-    output_dir=str(out), num_seeds=2, concurrency=2, config=CFG, generator=_tiny_role(),
-    solver=_tiny_role(), judge=_tiny_role(), local_engine=ENGINE, run_timeout_s=120,
+    output_dir=str(out), source=SeedSource(num_seeds=2), config=CFG,
+    roles=Roles(generator=_tiny_role(), solver=_tiny_role(), judge=_tiny_role()),
+    limits=SynthLimits(concurrency=2, run_timeout_s=120), local=LocalEndpoint(engine=ENGINE),
   )  # fmt: skip
   assert code == 0
   summary = json.loads((out / "summary.json").read_text())

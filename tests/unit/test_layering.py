@@ -49,6 +49,8 @@ def test_the_package_keeps_its_layers():
     ("agent/base.py", "from asearcher_jax.model import transformer", "Agents talk to a generation"),
     ("tools/budget.py", "from asearcher_jax.apps import train", "Nothing but main imports apps"),
     ("data/qa.py", "from asearcher_jax.synthwiki import world", "Package layers"),
+    ("rl/episodes.py", "from asearcher_jax.views import runs", "Package layers"),
+    ("plotting.py", "from asearcher_jax.evaluation import report", "Package layers"),
   ],
 )
 def test_a_forbidden_import_breaks_the_lint(tmp_path, module, forbidden, contract):

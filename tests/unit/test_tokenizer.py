@@ -91,3 +91,15 @@ def test_missing_file_is_one_clear_error(tmp_path):
   (tmp_path / "tokenizer.json").write_text("{not json")
   with pytest.raises(TokenizerError, match="cannot parse"):
     Tokenizer.from_dir(tmp_path)
+
+
+def test_save_then_from_dir_is_the_same_tokenizer(tok, tmp_path):
+  out = tok.save(tmp_path / "saved")
+  back = Tokenizer.from_dir(out)
+  text = "<|im_start|>user\nWho founded Kroril? 1949 ü<|im_end|>"
+  assert back.encode(text) == tok.encode(text) and back.vocab_size == tok.vocab_size
+  assert (back.eos_id, back.pad_id, back.stop_token_ids) == (
+    tok.eos_id,
+    tok.pad_id,
+    tok.stop_token_ids,
+  )
