@@ -27,10 +27,10 @@ from asearcher_jax.rl.inflight import read_resume_log
 from asearcher_jax.testing.run_audit import RESUME_LOG
 
 # A CPU-sized `asearcher train` over a byte tokenizer (cheap softmax), group size 2, B = 1,
-# eta = 1, the run's own retrieval server on the given index. One group at a time, of episodes
-# with many short generate calls: generation is the bottleneck, as on real hardware, so each
-# checkpoint finds the next group mid-episode with finished calls in its journals (with the
-# rollout ahead of the trainer, the group in flight at a checkpoint would be a fresh one).
+# the run's own retrieval server on the given index. Episodes of many short generate calls and
+# three groups in flight (eta = 3): when one group is trained the others are mid-episode, so a
+# checkpoint holds finished calls in their journals. (On a CPU a train step stalls generation,
+# so a group admitted as a step starts has done nothing by that step's checkpoint.)
 TRAIN_GIN = """
 from __gin__ import dynamic_registration
 from asearcher_jax.agent import asearcher
@@ -51,9 +51,9 @@ commands.train.max_questions = 24
 train_config.TrainConfig.train_steps = {steps}
 staleness.StalenessConfig.batch_groups = 1
 staleness.StalenessConfig.max_staleness = {eta}
-staleness.StalenessConfig.max_concurrent = 1
+staleness.StalenessConfig.max_concurrent = 3
 rollout.RolloutConfig.group_size = 2
-engine.EngineConfig.max_slots = 4
+engine.EngineConfig.max_slots = 6
 engine.EngineConfig.max_seq_len = 2048
 engine.EngineConfig.prefill_buckets = (1024,)
 asearcher.AsearcherAgentConfig.max_tokens = 2048

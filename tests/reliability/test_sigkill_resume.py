@@ -27,6 +27,7 @@ from tests.reliability.conftest import BYTE_VOCAB
 
 REPO = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("ASEARCHER_TEST_KILLS", "10"))
+ETA = 3
 
 
 @pytest.mark.slow
@@ -35,7 +36,7 @@ def test_ten_sigkills_resume_from_journals(tmp_path, byte_tok_dir, shipped_index
   run_dir = tmp_path / "run"
   gin = write_gin(
     tmp_path / "train.gin", vocab=BYTE_VOCAB, run_dir=run_dir, tok_dir=byte_tok_dir,
-    index_dir=shipped_index_dir, steps=10_000, eta=1,
+    index_dir=shipped_index_dir, steps=10_000, eta=ETA,
   )  # fmt: skip
   lives = run_lives(
     train_command(gin),
@@ -58,4 +59,4 @@ def test_ten_sigkills_resume_from_journals(tmp_path, byte_tok_dir, shipped_index
   final = lives[-1].restored or 0
   assert audit.lost == 0 and audit.duplicated == 0 and audit.versions_backwards == 0
   assert audit.committed == final + CrashLoopConfig().final_steps  # B = 1: one group a version
-  assert audit.max_staleness <= 1
+  assert audit.max_staleness <= ETA
