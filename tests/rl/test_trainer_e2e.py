@@ -238,7 +238,6 @@ from __gin__ import dynamic_registration
 from asearcher_jax.agent import asearcher
 from asearcher_jax.model import presets
 from asearcher_jax.apps import train as commands
-from asearcher_jax.data.qa import load_training_qa
 from asearcher_jax.rl import rollout
 from asearcher_jax.rl import staleness
 from asearcher_jax.serving import engine
