@@ -12,6 +12,7 @@ Resume order used by the trainers: the run's own directory, then an init checkpo
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from asearcher_jax.errors import CheckpointError
 
@@ -89,6 +91,8 @@ class Checkpointer:
       create=True,
     )
     self._manager = ocp.CheckpointManager(directory, options=options)
+    self._directory = directory
+    self.fallbacks: list[tuple[int, str]] = []  # unreadable checkpoints skipped by restore_latest
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -104,7 +108,15 @@ class Checkpointer:
       name: ocp.args.JsonSave(value) if _is_json(value) else ocp.args.StandardSave(value)
       for name, value in items.items()
     }
-    saved = self._manager.save(step, args=ocp.args.Composite(**args), force=force)
+    try:
+      saved = self._manager.save(step, args=ocp.args.Composite(**args), force=force)
+    except OSError as e:
+      if e.errno != errno.ENOSPC:
+        raise
+      raise CheckpointError(
+        f"checkpoint step {step}: no space left on device under {self.cfg.directory!r}; free "
+        f"space and rerun: the run resumes from step {self.latest_step()}"
+      ) from e
     if saved:
       log.info("checkpoint step %d: saving %s", step, sorted(items))
     return bool(saved)
@@ -133,6 +145,36 @@ class Checkpointer:
         f"cannot restore items {sorted(targets)} of step {step} from {self.cfg.directory!r}: {e}"
       ) from e
     return step, {name: restored[name] for name in targets}
+
+  def restore_latest(self, targets: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Like `restore(targets)`, but a newest checkpoint that cannot be read (a crash or a bad
+    disk mid-write, a file gone) is skipped, loudly, for the one before it; each skip is kept
+    in `fallbacks` (step, error) so the trainer can report it as a metric."""
+    steps = sorted(self.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+      try:
+        return self.restore(targets, step)
+      except Exception as e:  # any damage: Orbax, tensorstore and JSON errors differ
+        if i + 1 == len(steps):
+          raise CheckpointError(f"no readable checkpoint in {self.cfg.directory!r}: {e}") from e
+        kept = self._set_aside(step)
+        log.error(
+          "checkpoint step %d in %s is unreadable (%s: %s); falling back to step %d (%s)",
+          step, self.cfg.directory, type(e).__name__, e, steps[i + 1], kept,
+        )  # fmt: skip
+        self.fallbacks.append((step, f"{type(e).__name__}: {e}"))
+    raise CheckpointError(f"no checkpoint in {self.cfg.directory!r}")
+
+  def _set_aside(self, step: int) -> str:
+    """Renames an unreadable step to `<step>.unreadable` (kept for inspection, never deleted: the
+    error may have been transient), so the run can write that step again."""
+    src = epath.Path(self._directory) / str(step)
+    dst, n = src.parent / f"{step}.unreadable", 1
+    while dst.exists():
+      dst, n = src.parent / f"{step}.unreadable{n}", n + 1
+    src.rename(dst)
+    self._manager.reload()
+    return f"kept as {dst}"
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

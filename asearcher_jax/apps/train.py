@@ -44,6 +44,7 @@ from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.episodes import EPISODES_FILE, EpisodeLog
+from asearcher_jax.rl.inflight import ResumeLog
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
 from asearcher_jax.rl.replay import ReplayQueue
@@ -133,6 +134,7 @@ class TrainRun:
 
 # Where the run's own retrieval server announces its address (inside run_dir).
 RETRIEVAL_ADDRS = "retrieval_addrs"
+RESUME_LOG = "rollout/resumed.jsonl"  # one line per episode resumed from its journal
 
 
 def build_run(
@@ -213,6 +215,7 @@ def build_run(
     scorer=scorer,
     engine_stats=engine_stats,
     episode_log=EpisodeLog(run / EPISODES_FILE),
+    resume_log=ResumeLog(run / RESUME_LOG),
   )
   if not (run / "tokenizer" / "tokenizer.json").exists():  # the vocabulary of the exported ids
     policy.tokenizer.save(run / "tokenizer")

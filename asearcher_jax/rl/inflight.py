@@ -22,11 +22,16 @@ saved partial tokens and the continuation is not matched (stop tokens are).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
+import json
 import logging
+import os
+import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -104,7 +109,10 @@ class JournalClient:
     saved: EpisodeJournal | None = None,
     *,
     default_stop_ids: Sequence[int] = (),
+    on_replayed: Callable[[JournalClient], Awaitable[None]] | None = None,
   ) -> None:
+    """`on_replayed` (resumed episodes) is awaited once, when the first call that the journal
+    does not answer goes live: the replay is over and its counts are final."""
     self.inner = inner
     self.default_stop_ids = tuple(int(t) for t in default_stop_ids)
     self.journal = journal
@@ -114,8 +122,10 @@ class JournalClient:
     self._with_id = callable(progress)  # the in-process driver: its progress is readable
     journal._progress = progress if self._with_id else None
     self.replayed_calls = 0
+    self.live_calls = 0  # calls that reached the engine (a continued partial call included)
     self.resumed_tokens = 0
     self.mismatched = False
+    self._on_replayed = on_replayed if saved is not None else None
 
   async def generate(
     self,
@@ -149,9 +159,11 @@ class JournalClient:
     stop_ids = set(stop_token_ids) if stop_token_ids is not None else None
     ends = stop_ids if stop_ids is not None else set(self.default_stop_ids)
     done = _finished_prefix(prefix, max_new_tokens, ends)
+    await self.replay_done()
     if done is not None:
       result = done
     else:
+      self.live_calls += 1
       result = await self._live(token_ids, digest, prefix, sampling, max_new_tokens, stop, stop_ids)
     self.journal.calls.append({
       "input": digest, "n_input": len(token_ids), "tokens": list(result.tokens),
@@ -159,6 +171,12 @@ class JournalClient:
       "stop_reason": result.stop_reason,
     })  # fmt: skip
     return result
+
+  async def replay_done(self) -> None:
+    """Reports the end of the replay (once; also called when an episode ends inside it)."""
+    hook, self._on_replayed = self._on_replayed, None
+    if hook is not None:
+      await hook(self)
 
   async def _live(self, token_ids, digest, prefix, sampling, max_new_tokens, stop, stop_ids):
     head = list(prefix["tokens"])
@@ -287,3 +305,56 @@ class GroupJournal:
       episodes=[EpisodeJournal.from_snapshot(e) for e in d["episodes"]],
       resumed=True,
     )
+
+
+class ResumeLog:
+  """One JSON line per resumed episode, appended when its replay ends: what its journal held
+  and how much of it was answered without the engine or the tools. Operators (and the crash
+  tests) read from the run directory that a restart really continued its episodes."""
+
+  def __init__(self, path: str | Path) -> None:
+    self.path = Path(path)
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+
+  def hook(
+    self, key: str, episode: int, saved: EpisodeJournal, tools: Any
+  ) -> Callable[[JournalClient], Awaitable[None]]:
+    """The `on_replayed` callback of one resumed episode's JournalClient."""
+
+    async def replayed(client: JournalClient) -> None:
+      await self.record(key, episode, saved, client, tools)
+
+    return replayed
+
+  async def record(
+    self, key: str, episode: int, saved: EpisodeJournal, client: JournalClient, tools: Any
+  ) -> None:
+    rec = {
+      "pid": os.getpid(), "group": key, "episode": episode, "time": time.time(),
+      "saved_calls": len(saved.calls), "replayed_calls": client.replayed_calls,
+      "saved_tools": len(saved.tools),
+      "replayed_tools": tools.replayed_tools if tools is not None else 0,
+      "saved_partial_tokens": len(saved.partial["tokens"]) if saved.partial else 0,
+      "continued_tokens": client.resumed_tokens, "diverged": client.mismatched,
+      "live_calls_before": client.live_calls,
+    }  # fmt: skip
+    line = json.dumps(rec) + "\n"
+    await asyncio.to_thread(self._append, line)
+
+  def _append(self, line: str) -> None:
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(line)
+      f.flush()
+      os.fsync(f.fileno())
+
+
+def read_resume_log(path: str | Path) -> list[dict[str, Any]]:
+  """The records of a `ResumeLog` (a torn last line from a crash is skipped)."""
+  out = []
+  p = Path(path)
+  for line in p.read_text().splitlines() if p.exists() else []:
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return out

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from asearcher_jax.agent.base import Agent
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.data.qa import QAExample
+from asearcher_jax.rl import inflight
 from asearcher_jax.rl.cursors import CurriculumCursor, DataCursor
 from asearcher_jax.rl.episodes import EpisodeLog
 from asearcher_jax.rl.inflight import EpisodeJournal, GroupJournal, JournalClient, JournalToolBox
@@ -137,10 +138,12 @@ class RolloutController:
     scorer: Scorer | None = None,
     engine_stats: Callable[[], Mapping[str, float]] | None = None,
     episode_log: EpisodeLog | None = None,
+    resume_log: inflight.ResumeLog | None = None,
   ) -> None:
-    """`episode_log`: exports every finished episode for inspection (`rl.episodes`)."""
+    """`episode_log`: exports every finished episode for inspection (`rl.episodes`);
+    `resume_log`: a line per episode resumed from its journal, once its replay ends."""
     self.config = config
-    self.episode_log = episode_log
+    self.episode_log, self.resume_log = episode_log, resume_log
     self.items = list(items)
     self.agents = agents
     self.staleness = staleness
@@ -230,7 +233,7 @@ class RolloutController:
     out, so a restart never runs a group whose result already exists."""
     done = {group_item_key(g) for g in [*self.replay.pending_ids(), *exclude_groups]}
     with self._lock:
-      journals = [j for k, j in self._journals.items() if k not in done]
+      journals = [j for j in [*self._journals.values(), *self._resume] if j.key not in done]
       return {
         "cursor": self.cursor.state_dict(),
         "inflight": [j.snapshot() for j in journals],
@@ -474,6 +477,7 @@ class RolloutController:
             aug_answers=item.aug_answers,
             valid_inst=item.valid_inst,
           )
+        await client.replay_done()  # an episode that ended inside its journal
       except TimeoutError:
         self._count(episode_timeouts=1, env_failures=1)
         traj = None
@@ -502,8 +506,11 @@ class RolloutController:
     with self._lock:
       group.episodes[i] = journal
     src = self.agents
-    client = JournalClient(src.client(), journal, saved, default_stop_ids=src.stop_token_ids)
     tools = JournalToolBox(src.toolbox, journal, saved) if src.toolbox is not None else None
+    hook = self.resume_log.hook(group.key, i, saved, tools) if self.resume_log and saved else None
+    client = JournalClient(
+      src.client(), journal, saved, default_stop_ids=src.stop_token_ids, on_replayed=hook
+    )
     return src.factory(client, tools), client, tools
 
 

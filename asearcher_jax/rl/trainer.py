@@ -180,8 +180,9 @@ class Trainer:
       if self.rollout is not None:
         self.rollout.load_state_dict(None, queued_ids=self.replay.pending_ids())
       return None
-    _, items = self.checkpointer.restore(
-      {"train_state": abstract_like(self.learner.state), "meta": None}, step
+    # An unreadable newest checkpoint falls back to the one before, loudly (log + metric).
+    _, items = self.checkpointer.restore_latest(
+      {"train_state": abstract_like(self.learner.state), "meta": None}
     )
     meta = items["meta"]
     version = int(meta["version"])
@@ -416,6 +417,8 @@ class Trainer:
     if self.replay is not None:
       metrics.update(self.replay.metrics())
       metrics.update({f"staleness/{k}": float(v) for k, v in self.staleness.stats().items()})
+    if self.checkpointer is not None:
+      metrics["checkpoint/restore_fallbacks"] = float(len(self.checkpointer.fallbacks))
     if metrics.get("rollout/group_s") and "timing/train_s" in metrics:
       # The staleness rule keeps at most (eta + 1) x B groups in flight, so it can deliver B
       # groups per step only while a group takes under ~(eta + 1) steps (Little's law); near or

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from asearcher_jax import http_guard
 from asearcher_jax.serving.driver import EngineError
 from asearcher_jax.serving.types import GenerationResult, SamplingParams
 
@@ -105,7 +106,9 @@ class RemoteGenerationClient:
     if self._session is None or self._session.closed:
       timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
       connector = aiohttp.TCPConnector(limit=self.config.max_connections)
-      self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+      self._session = aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers=http_guard.client_headers()
+      )
     return self._session
 
   async def close(self) -> None:

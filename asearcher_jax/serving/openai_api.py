@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from asearcher_jax import http_guard
 from asearcher_jax.serving import openai_stream
 from asearcher_jax.serving.driver import Driver, EngineError
 from asearcher_jax.serving.openai_protocol import (
@@ -83,6 +84,10 @@ class OpenAIServerConfig:
   default_max_tokens: int = 16
   max_tokens_beyond_context: Literal["clip", "refuse"] = "clip"
   stream_poll_s: float = 0.02
+  # Slow clients: headers must arrive within header_timeout_s (else the connection is closed),
+  # the body within body_timeout_s (else 408).
+  header_timeout_s: float = 15.0
+  body_timeout_s: float = 30.0
 
   def __post_init__(self):
     if self.max_tokens_beyond_context not in ("clip", "refuse"):
@@ -132,7 +137,11 @@ class OpenAIServer:
     self.requests = {"completions": 0, "chat": 0, "bad_request": 0, "busy": 0, "error": 0}
 
   def make_app(self) -> web.Application:
-    app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_json_errors])
+    app = web.Application(
+      client_max_size=self.config.max_body_bytes,
+      # bearer token when set; aiohttp's own errors in OpenAI's JSON shape
+      middlewares=[*http_guard.middlewares(self.config.host), _json_errors],
+    )
     app.router.add_post("/v1/completions", self._completions)
     app.router.add_post("/v1/chat/completions", self._chat)
     app.router.add_get("/v1/models", self._models)
@@ -142,7 +151,10 @@ class OpenAIServer:
   async def start(self) -> int:
     """Binds and starts serving; returns the port. Handler cancellation is on, so a client that
     disconnects aborts its generations and frees their slots."""
-    self._runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
+    self._runner = web.AppRunner(
+      self.make_app(), access_log=None, handler_cancellation=True,
+      keepalive_timeout=self.config.header_timeout_s,
+    )  # fmt: skip
     await self._runner.setup()
     site = web.TCPSite(self._runner, self.config.host, self.config.port)
     await site.start()
@@ -164,9 +176,11 @@ class OpenAIServer:
     self._inflight += 1
     try:
       try:
-        body = await asyncio.wait_for(request.json(loads=json.loads), self.config.request_timeout_s)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(await http_guard.read_body(request, self.config.body_timeout_s))
+      except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # too deep: 400
         raise RequestError(f"malformed JSON: {e}") from None
+      except http_guard.SlowBody as e:
+        raise RequestError(str(e), status=408) from None
       # A stream has begun answering by the time it could time out: its generations carry the
       # timeout instead, and it ends with an error event.
       streaming = isinstance(body, dict) and body.get("stream") is True

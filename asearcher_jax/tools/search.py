@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from asearcher_jax import http_guard
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.tools.http_retry import (
   CallStats,
@@ -97,6 +98,9 @@ class LocalRetrievalClient(SessionOwner):
     self.config = config
     self._semaphore = asyncio.Semaphore(config.concurrency)
     self._current: str | None = None
+
+  def _make_session(self) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(headers=http_guard.client_headers())  # the servers' token
 
   def servers(self) -> list[str]:
     found = list(self.config.addresses)

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from asearcher_jax import http_guard
 from asearcher_jax.tools.retrieval.discovery import write_address_file
 from asearcher_jax.tools.retrieval.index import Hits, LoadedIndex
 
@@ -52,6 +53,10 @@ class RetrievalServerConfig:
   max_inflight: int = 1024
   # Most queries scored in one worker-thread call (micro-batch).
   micro_batch: int = 256
+  # A connection whose request headers have not arrived within this is closed (slow clients).
+  header_timeout_s: float = 15.0
+  # A request body that has not fully arrived within this is answered with 408.
+  body_timeout_s: float = 30.0
 
 
 class RequestError(ValueError):
@@ -177,16 +182,21 @@ class RetrievalServer:
     self.requests = {"retrieve": 0, "access": 0, "bad_request": 0, "busy": 0, "error": 0}
 
   def make_app(self) -> web.Application:
-    app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[json_errors])
+    app = web.Application(
+      client_max_size=self.config.max_request_bytes,
+      # bearer token when set; JSON bodies for aiohttp's own error statuses
+      middlewares=[*http_guard.middlewares(self.config.host), json_errors],
+    )
     app.router.add_post("/retrieve", self._retrieve)
     app.router.add_post("/access", self._access)
     app.router.add_get("/health", self._health)
     return app
 
   async def _read_json(self, request: web.Request) -> Any:
+    raw = await http_guard.read_body(request, self.config.body_timeout_s)
     try:
-      return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # too deep: 400
       raise RequestError(f"malformed JSON: {e}") from None
 
   async def _guarded(self, kind: str, request: web.Request, handler) -> web.StreamResponse:
@@ -202,6 +212,9 @@ class RetrievalServer:
     except RequestError as e:
       self.requests["bad_request"] += 1
       return _json_error(400, str(e))
+    except http_guard.SlowBody as e:
+      self.requests["bad_request"] += 1
+      return _json_error(408, str(e))
     except web.HTTPException:
       raise  # e.g. 413 for an oversized body
     except Exception as e:
@@ -248,7 +261,9 @@ class RetrievalServer:
 
   async def start(self) -> int:
     """Binds and starts serving; returns the port and writes the address file."""
-    self._runner = web.AppRunner(self.make_app(), access_log=None)
+    self._runner = web.AppRunner(
+      self.make_app(), access_log=None, keepalive_timeout=self.config.header_timeout_s
+    )
     await self._runner.setup()
     site = web.TCPSite(self._runner, self.config.host, self.config.port)
     await site.start()
