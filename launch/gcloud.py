@@ -211,6 +211,7 @@ def run(commands: list[Command], *, dry_run: bool, out=sys.stdout, runner: Runne
         wait_active_s: float = 7200.0, poll_s: float = 30.0) -> int:  # fmt: skip
   """Prints each command (substituting captured values) and, unless dry_run, runs it; `state:`
   captures poll until the queued resource is ACTIVE (FAILED/SUSPENDED: error)."""
+  out = out or sys.stdout
   values: dict[str, str] = {}
   secrets = {f"${k}": shlex.quote(os.environ.get(k, "")) for k in SECRETS}
   for c in commands:
