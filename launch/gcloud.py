@@ -207,7 +207,7 @@ def _subprocess(argv: list[str]) -> str:
   ).stdout
 
 
-def run(commands: list[Command], *, dry_run: bool, out=sys.stdout, runner: Runner = _subprocess,
+def run(commands: list[Command], *, dry_run: bool, out=None, runner: Runner = _subprocess,
         wait_active_s: float = 7200.0, poll_s: float = 30.0) -> int:  # fmt: skip
   """Prints each command (substituting captured values) and, unless dry_run, runs it; `state:`
   captures poll until the queued resource is ACTIVE (FAILED/SUSPENDED: error)."""
