@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, str] = {
   "synth": "asearcher_jax.apps.synth:synth",
   "quickstart": "asearcher_jax.apps.quickstart:quickstart",
   "warm-start": "asearcher_jax.apps.warm_start:warm_start",
+  "plan": "asearcher_jax.apps.plan:plan",
+  "sweep": "asearcher_jax.apps.sweep:sweep",
 }
 
 # Where gin files are looked up: the working directory, then the repository root. Includes are
@@ -50,6 +52,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     description="asearcher_jax: train and evaluate LLM search agents with asynchronous RL.",
   )
   parser.add_argument("subcommand", choices=sorted(SUBCOMMANDS))
+  parser.add_argument("gin_files", nargs="*", help="gin files, before any --gin_file")
   parser.add_argument(
     "--gin_file", action="append", default=[], help="gin file (repeatable, applied in order)"
   )
@@ -88,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   for noisy in ("absl", "orbax", "jax._src.xla_bridge"):  # per-step INFO chatter from libraries
     logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
   try:
-    fn = configure(args.subcommand, args.gin_file, args.gin_param)
+    fn = configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
   except (OSError, ValueError) as e:  # gin reports unknown files/bindings as these
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
