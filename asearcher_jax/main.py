@@ -63,6 +63,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     help="gin binding, e.g. --gin_param='demo.run.text=\"hi\"' (repeatable, applied last)",
   )
   parser.add_argument("--print_config", action="store_true", help="print the operative config")
+  parser.add_argument("--operative_config", help="write gin's operative config here after the run")
   parser.add_argument("--log_level", default="INFO")
   return parser.parse_args(argv)
 
@@ -106,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
     print(f"asearcher {args.subcommand}: error: {message}", file=sys.stderr)
     return 1
+  if args.operative_config:
+    import gin
+
+    Path(args.operative_config).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.operative_config).write_text(gin.operative_config_str())
   return int(result) if isinstance(result, int) else 0
 
 

@@ -120,7 +120,7 @@ def async_check(avs: dict) -> dict:
     "measured": {
       m: {k: avs[m][k] for k in ("wall_s", "trainer_idle_frac", "group_s_mean")}
       for m in ("sync", "async")
-    },  # fmt: skip
+    },
   }
 
 

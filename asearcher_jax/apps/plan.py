@@ -25,6 +25,12 @@ DEFAULT_MODEL = ModelConfig(
 )  # fmt: skip
 
 
+DEFAULT_TRAINER = mem.TrainerShape()
+DEFAULT_SERVING = mem.ServingShape()
+DEFAULT_WORKLOAD = plan_sim.Workload()
+DEFAULT_SCHEDULE = plan_sim.Schedule()
+
+
 def estimate(
   *,
   model: ModelConfig,
@@ -69,10 +75,10 @@ def plan(
   *,
   model: ModelConfig = DEFAULT_MODEL,
   chip: str = "v5p",
-  trainer: mem.TrainerShape = mem.TrainerShape(),
-  serving: mem.ServingShape = mem.ServingShape(),
-  workload: plan_sim.Workload = plan_sim.Workload(),
-  schedule: plan_sim.Schedule = plan_sim.Schedule(),
+  trainer: mem.TrainerShape = DEFAULT_TRAINER,
+  serving: mem.ServingShape = DEFAULT_SERVING,
+  workload: plan_sim.Workload = DEFAULT_WORKLOAD,
+  schedule: plan_sim.Schedule = DEFAULT_SCHEDULE,
   tokens_per_episode: int = 4096,
 ) -> int:
   """Prints the plan (table, then one JSON line); 1 when the target chip's HBM is too small."""
