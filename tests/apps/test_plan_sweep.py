@@ -14,8 +14,9 @@ from asearcher_jax import main as cli
 from asearcher_jax.apps import sweep as sweeping
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = sorted((REPO / "gin" / "experiments").glob("*_qwen2_5_*.gin")) + [
-  REPO / "gin" / "experiments" / "asearcher_web_qwq_32b.gin"
+RECIPES = [
+  *sorted((REPO / "gin" / "experiments").glob("*_qwen2_5_*.gin")),
+  REPO / "gin" / "experiments" / "asearcher_web_qwq_32b.gin",
 ]
 
 
@@ -49,7 +50,7 @@ def test_sweep_expansion_names_and_table():
     {"a.b.lr": "3e-4", "c.eta": "0"}, {"a.b.lr": "3e-4", "c.eta": "4"}, {"c.eta": "8"},
   ]  # fmt: skip
   assert sweeping.point_name(3, pts[3]) == "p03-lr=3e-4-eta=4"
-  assert sweeping.point_name(1, {"x.s": '"a b/c"'}) == 'p01-s=_a_b_c_'
+  assert sweeping.point_name(1, {"x.s": '"a b/c"'}) == "p01-s=_a_b_c_"
   with pytest.raises(Exception, match="non-empty tuple"):
     sweeping.expand({"a": "1e-4"}, [])
   t = sweeping.table([{"point": "p0", "x": 0.123456, "y": None}], ["point", "x", "y"])

@@ -43,7 +43,10 @@ def test_serving_memory_and_fits():
   fits = mem.fits(s["total"])
   assert fits == {"v4": False, "v5e": False, "v5p": True, "v6e": False}  # 33.9 GB per chip
   assert {c.name: c.hbm_gb for c in mem.CHIPS.values()} == {
-    "v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0
+    "v4": 32.0,
+    "v5e": 16.0,
+    "v5p": 95.0,
+    "v6e": 32.0,
   }
 
 
