@@ -87,4 +87,4 @@ sweeping.sweep.metrics = ("train_step_s", "speedup_async_vs_sync")
   assert "TrainerShape.row_len = 8192" in op and "TrainerShape.chips = 64" in op
   assert "| p03-chips=64-row_len=8192 | 64 | 8192 |" in out
   rc, out = run_main(["sweep", str(sweep_file)])
-  assert rc == 0 and out.count("done before") == 4
+  assert rc == 0 and out.count("| done before |") == 4
