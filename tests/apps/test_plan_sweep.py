@@ -88,3 +88,22 @@ sweeping.sweep.metrics = ("train_step_s", "speedup_async_vs_sync")
   assert "| p03-chips=64-row_len=8192 | 64 | 8192 |" in out
   rc, out = run_main(["sweep", str(sweep_file)])
   assert rc == 0 and out.count("| done before |") == 4
+
+
+@pytest.mark.slow
+def test_two_by_two_sweep_of_the_ci_sized_quickstart(tmp_path):
+  """gin/sweeps/quickstart_ci.gin as shipped (learning rate x eta over the CI-sized quickstart),
+  its root moved to tmp: four quickstarts, one table of their summaries."""
+  root = tmp_path / "sweep"
+  rc, out = run_main(["sweep", "gin/sweeps/quickstart_ci.gin",
+                      f'--gin_param=sweeping.sweep.root="{root}"'])  # fmt: skip
+  assert rc == 0, out
+  table = out[out.index("| point |") :].splitlines()
+  assert (
+    table[0]
+    == "| point | learning_rate | max_staleness | avg4_sft | avg4_rl | pass4_rl | wall_s | status |"
+  )
+  assert len(table) == 2 + 4 and all(r.endswith("| ran |") for r in table[2:])
+  for r in (json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()):
+    assert 0.0 <= r["avg4_rl"] <= 1.0 and r["wall_s"] > 0
+    assert (root / r["point"] / "operative_config.gin").exists()
