@@ -130,3 +130,15 @@ def test_module_entry_point_and_missing_spec(tmp_path):
   r = subprocess.run([sys.executable, "-m", "launch", "up", "--spec", str(tmp_path / "no.toml"),
                       "--dry-run"], capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
   assert r.returncode == 2 and "no such spec file" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize(
+  "path", sorted(p for p in (REPO / "launch/specs").glob("*.toml") if "local" != p.stem[:5]),
+  ids=lambda p: p.stem,
+)
+def test_every_shipped_spec_plans_and_names_an_existing_recipe(path):
+  spec = load(path)
+  assert (REPO / spec.experiment).exists(), spec.experiment
+  for action in gcloud.ACTIONS:
+    rc, out, err = dry_run(path, action)
+    assert rc == 0 and out and not err
