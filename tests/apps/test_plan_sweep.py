@@ -91,6 +91,7 @@ sweeping.sweep.metrics = ("train_step_s", "speedup_async_vs_sync")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # four quickstarts, ~3-6 minutes each on 2 busy cores
 def test_two_by_two_sweep_of_the_ci_sized_quickstart(tmp_path):
   """gin/sweeps/quickstart_ci.gin as shipped (learning rate x eta over the CI-sized quickstart),
   its root moved to tmp: four quickstarts, one table of their summaries."""
