@@ -38,6 +38,8 @@ SUBCOMMANDS: dict[str, str] = {
   "quickstart": "asearcher_jax.apps.quickstart:quickstart",
   "warm-start": "asearcher_jax.apps.warm_start:warm_start",
   "inspect": "asearcher_jax.apps.inspect:inspect",
+  "plan": "asearcher_jax.apps.plan:plan",
+  "sweep": "asearcher_jax.apps.sweep:sweep",
 }
 
 # Where gin files are looked up: the working directory, then the repository root, so the default
@@ -76,6 +78,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     "-h", "--help", action="store_true", help="show this help (or a subcommand's)"
   )
   parser.add_argument("subcommand", nargs="?", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND")
+  parser.add_argument("gin_files", nargs="*", help="gin files, before any --gin_file")
   parser.add_argument(
     "--gin_file", action="append", default=[], help="gin file (repeatable, applied in order)"
   )
@@ -86,6 +89,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     help="gin binding, e.g. --gin_param='demo.run.text=\"hi\"' (repeatable, applied last)",
   )
   parser.add_argument("--print_config", action="store_true", help="print the operative config")
+  parser.add_argument("--operative_config", help="write gin's operative config here after the run")
   parser.add_argument("--log_level", default="INFO")
   args = parser.parse_args(argv)
   if args.subcommand is None:
@@ -138,9 +142,16 @@ def distributed_config():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parse_args(sys.argv[1:] if argv is None else argv)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["inspect"] and argv[1:2] and not argv[1].startswith("-"):
+    # `asearcher inspect RUN_DIR [--episode ID | --question QID | --worst N]`: a positional run
+    # directory, not a gin file (the gin-bound form stays for scripts).
+    from asearcher_jax.apps import inspect
+
+    return inspect.main(argv[1:])
+  args = _parse_args(argv)
   if args.help:
-    print(_help(args.subcommand, args.gin_file))
+    print(_help(args.subcommand, [*args.gin_files, *args.gin_file]))
     return 0
   logging.basicConfig(
     level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -150,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from asearcher_jax.apps.gin_config import ConfigError
 
   try:
-    fn = configure(args.subcommand, args.gin_file, args.gin_param)
+    fn = configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
   except ConfigError as e:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
@@ -172,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
     print(f"asearcher {args.subcommand}: error: {message}", file=sys.stderr)
     return 1
+  if args.operative_config:
+    import gin
+
+    Path(args.operative_config).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.operative_config).write_text(gin.operative_config_str())
   return int(result) if isinstance(result, int) else 0
 
 

@@ -1,0 +1,98 @@
+"""`asearcher plan EXPERIMENT.gin`: will this recipe fit, and how fast will it go, before paying.
+
+Per chip, for the trainer mesh and one serving replica: parameters, fp32 master weights,
+optimizer state, gradients and update temporaries, activations with remat, KV cache for the
+configured slots and context (rl/plan_memory.py), whether that fits v4 / v5e / v5p / v6e HBM; and
+async vs sync RL throughput from the discrete-event model (rl/plan_sim.py) with the decode and
+train rates estimated from the target chip's peak figures. Recipes bind `planning.plan.*` next to
+their training bindings so one file states the run and its plan. Prints a table, then one JSON
+line (also returned as the exit code 0 / 1: 1 when the target chip does not fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.rl import plan_memory as mem
+from asearcher_jax.rl import plan_sim
+
+DEFAULT_MODEL = ModelConfig(
+  vocab_size=151936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+  num_kv_heads=2, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+DEFAULT_TRAINER = mem.TrainerShape()
+DEFAULT_SERVING = mem.ServingShape()
+DEFAULT_WORKLOAD = plan_sim.Workload()
+DEFAULT_SCHEDULE = plan_sim.Schedule()
+
+
+def estimate(
+  *,
+  model: ModelConfig,
+  chip: str,
+  trainer: mem.TrainerShape,
+  serving: mem.ServingShape,
+  workload: plan_sim.Workload,
+  schedule: plan_sim.Schedule,
+  tokens_per_episode: int,
+) -> dict:
+  """The plan as a dict (GB per chip by part, fits, step times, async vs sync)."""
+  if chip not in mem.CHIPS:
+    raise AsearcherError(f"unknown chip {chip!r} (known: {', '.join(mem.CHIPS)})")
+  t = mem.trainer_memory(model, trainer)
+  s = mem.serving_memory(model, serving)
+  tokens = schedule.batch_groups * schedule.group_size * tokens_per_episode
+  w = dataclasses.replace(
+    workload,
+    train_step_s=mem.train_step_s(model, tokens, trainer.chips, chip),
+    decode_token_s=mem.decode_token_s(model, serving.chips, chip),
+  )
+  rl = plan_sim.async_vs_sync(w, schedule)
+  return {
+    "model_params_b": round(model.num_params() / 1e9, 3),
+    "chip": chip,
+    "trainer_gb_per_chip": {k: mem.gb(v) for k, v in t.items()},
+    "serving_gb_per_chip": {k: mem.gb(v) for k, v in s.items()},
+    "trainer_fits": mem.fits(t["total"]),
+    "serving_fits": mem.fits(s["total"]),
+    "train_step_s": round(w.train_step_s, 2),
+    "decode_token_ms": round(w.decode_token_s * 1e3, 2),
+    "sync_step_s": round(rl["sync"]["wall_s"] / 10, 2),
+    "async_step_s": round(rl["async"]["wall_s"] / 10, 2),
+    "speedup_async_vs_sync": round(rl["speedup"], 2),
+    "async_trainer_idle": round(rl["async"]["trainer_idle_frac"], 3),
+    "async_capacity_ratio": round(rl["async"]["capacity_ratio"], 2),
+    "trained_tokens_per_s_async": round(tokens * 10 / rl["async"]["wall_s"], 1),
+  }
+
+
+def plan(
+  *,
+  model: ModelConfig = DEFAULT_MODEL,
+  chip: str = "v5p",
+  trainer: mem.TrainerShape = DEFAULT_TRAINER,
+  serving: mem.ServingShape = DEFAULT_SERVING,
+  workload: plan_sim.Workload = DEFAULT_WORKLOAD,
+  schedule: plan_sim.Schedule = DEFAULT_SCHEDULE,
+  tokens_per_episode: int = 4096,
+) -> int:
+  """Prints the plan (table, then one JSON line); 1 when the target chip's HBM is too small."""
+  p = estimate(model=model, chip=chip, trainer=trainer, serving=serving, workload=workload,
+               schedule=schedule, tokens_per_episode=tokens_per_episode)  # fmt: skip
+  print(f"model: {p['model_params_b']} B parameters; target chip {chip}")
+  for name, parts, shape in (("trainer", p["trainer_gb_per_chip"], trainer),
+                             ("serving", p["serving_gb_per_chip"], serving)):  # fmt: skip
+    fits = p[f"{name}_fits"]
+    print(f"{name} ({shape.chips} chips), GB per chip: "
+          + ", ".join(f"{k} {v}" for k, v in parts.items())
+          + "  fits: " + " ".join(f"{c}={'yes' if ok else 'NO'}" for c, ok in fits.items()))  # fmt: skip
+  print(f"train step {p['train_step_s']} s, decode {p['decode_token_ms']} ms/token; "
+        f"sync {p['sync_step_s']} s/step, async {p['async_step_s']} s/step: "
+        f"{p['speedup_async_vs_sync']}x, async trainer idle {p['async_trainer_idle']}")  # fmt: skip
+  print(json.dumps(p))
+  return 0 if p["trainer_fits"][chip] and p["serving_fits"][chip] else 1

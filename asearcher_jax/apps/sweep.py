@@ -1,0 +1,164 @@
+"""`asearcher sweep SWEEP.gin`: a grid (or list) of gin bindings run one after another, each in
+its own run directory, and one results table merged from their summaries and metrics.
+
+A sweep file binds `sweeping.sweep.*` (see gin/sweeps/quickstart_ci.gin):
+  command        the subcommand every point runs ("train", "quickstart", ...)
+  gin_files      the experiment (and overlays) every point starts from
+  grid           {binding: (gin literal, ...)}: the cartesian product of the values
+  points         ({binding: gin literal, ...}, ...): explicit points, after the grid's
+  run_dir_param  the binding that sets a point's run directory (root/<point name>)
+Every point is a separate `python -m asearcher_jax.main` process (its own XLA runtime; a point
+that crashes does not take the sweep with it), and leaves in its run directory `command.json`
+(the exact argv), `operative_config.gin` (gin's operative config of that run), its log and
+`summary.json` (the command's own, else the JSON its last output line printed). A point whose
+summary exists is not run again, so an interrupted sweep resumes. The table (`results.md`,
+`results.jsonl` under root) has one row per point: its bindings, then the chosen metrics from
+summary.json and from the last row of metrics/metrics.jsonl ("last/" prefix) when there is one.
+Running the points through `launch/` (one slice set per point) is not wired in yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from asearcher_jax.errors import AsearcherError
+
+
+def expand(
+  grid: Mapping[str, Sequence[str]], points: Sequence[Mapping[str, str]]
+) -> list[dict[str, str]]:
+  """The grid's cartesian product (in the grid's key order), then the explicit points."""
+  keys = list(grid)
+  for k in keys:
+    if isinstance(grid[k], str) or not grid[k]:
+      raise AsearcherError(f"sweep grid {k!r}: give a non-empty tuple of gin literals")
+  out = (
+    [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))] if keys else []
+  )
+  return out + [dict(p) for p in points]
+
+
+def point_name(i: int, point: Mapping[str, str]) -> str:
+  """p00-learning_rate=1e-4-max_staleness=0: the index, then each binding's last name=value."""
+  parts = [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items()]
+  slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", "-".join(parts))[:80]
+  return f"p{i:02d}" + (f"-{slug}" if slug else "")
+
+
+def _last_json(text: str) -> dict | None:
+  for line in reversed(text.strip().splitlines()):
+    if line.startswith("{"):
+      try:
+        return json.loads(line)
+      except json.JSONDecodeError:
+        return None
+  return None
+
+
+def _scalars(d: Mapping, prefix: str = "") -> dict:
+  return {f"{prefix}{k}": v for k, v in d.items() if isinstance(v, int | float | str | bool)}
+
+
+def run_point(
+  argv: list[str], run_dir: Path, timeout_s: float
+) -> tuple[dict | None, str]:  # fmt: skip
+  """Runs one point (unless its summary exists); returns (summary, status)."""
+  summary_path = run_dir / "summary.json"
+  if summary_path.exists():
+    return json.loads(summary_path.read_text()), "done before"
+  run_dir.mkdir(parents=True, exist_ok=True)
+  (run_dir / "command.json").write_text(json.dumps(argv, indent=1) + "\n")
+  t0 = time.time()
+  with open(run_dir / "sweep.log", "w") as log:
+    try:
+      r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      return None, f"timed out after {timeout_s:.0f} s"
+  (run_dir / "stdout.txt").write_text(r.stdout)
+  if r.returncode:
+    return None, f"exit {r.returncode} (see {run_dir / 'sweep.log'})"
+  summary = json.loads(summary_path.read_text()) if summary_path.exists() else _last_json(r.stdout)
+  if summary is None:
+    return None, "no summary (the command printed no JSON line)"
+  summary.setdefault("sweep_wall_s", round(time.time() - t0, 1))
+  summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+  return summary, "ran"
+
+
+def row_of(run_dir: Path, point: Mapping[str, str], summary: dict | None, status: str) -> dict:
+  row = {"point": run_dir.name, **{k.rsplit(".", 1)[-1]: v for k, v in point.items()},
+         "status": status}  # fmt: skip
+  row.update(_scalars(summary or {}))
+  metrics = run_dir / "metrics" / "metrics.jsonl"
+  if metrics.exists() and (lines := metrics.read_text().strip().splitlines()):
+    row.update(_scalars(json.loads(lines[-1]), "last/"))
+  return row
+
+
+def table(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
+  """A markdown table of `columns` (missing values blank; floats to 4 significant digits)."""
+
+  def cell(v) -> str:
+    return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def sweep(
+  *,
+  command: str,
+  gin_files: Sequence[str] = (),
+  grid: Mapping[str, Sequence[str]] | None = None,
+  points: Sequence[Mapping[str, str]] = (),
+  run_dir_param: str | None = None,
+  root: str = "runs/sweep",
+  metrics: Sequence[str] = (),
+  gin_params: Sequence[str] = (),
+  timeout_s: float = 7200.0,
+) -> int:
+  """Runs every point and prints the merged table; 1 if any point failed.
+
+  Args:
+    command: the subcommand each point runs.
+    gin_files / gin_params: what every point starts from (its own bindings come last).
+    grid / points: see the module docstring.
+    run_dir_param: the binding set to root/<point name> (None: the command has no run dir;
+      its outputs are still kept there).
+    root: where the points' run directories and the results go.
+    metrics: columns of the table after the bindings; () = every scalar of the first summary.
+    timeout_s: longest run of one point.
+  """
+  todo = expand(grid or {}, points)
+  if not todo:
+    raise AsearcherError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
+  out = Path(root)
+  rows = []
+  for i, point in enumerate(todo):
+    run_dir = out / point_name(i, point)
+    argv = [sys.executable, "-m", "asearcher_jax.main", command,
+            *(f"--gin_file={f}" for f in gin_files), *(f"--gin_param={p}" for p in gin_params),
+            *(f"--gin_param={k}={v}" for k, v in point.items()),
+            *([f"--gin_param={run_dir_param}={json.dumps(str(run_dir))}"] if run_dir_param else []),
+            f"--operative_config={run_dir / 'operative_config.gin'}"]  # fmt: skip
+    print(f"sweep: {run_dir.name} ...", flush=True)
+    summary, status = run_point(argv, run_dir, timeout_s)
+    print(f"sweep: {run_dir.name} {status}", flush=True)
+    rows.append(row_of(run_dir, point, summary, status))
+  keys = [k.rsplit(".", 1)[-1] for k in dict.fromkeys(k for p in todo for k in p)]
+  first = next((r for r in rows if r["status"] != "failed"), rows[0])
+  chosen = list(metrics) or [k for k in first if k not in {"point", "status", *keys}]
+  text = table(rows, ["point", *keys, *chosen, "status"])
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "results.md").write_text(text + "\n")
+  (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  print(text, flush=True)
+  return 0 if all(r["status"] in ("ran", "done before") for r in rows) else 1

@@ -1,0 +1,71 @@
+"""`python -m launch ACTION --spec SPEC.toml [--dry-run]`: one run's whole life.
+
+  up      queued resources for the trainer slice and every serving slice (waits for ACTIVE)
+  setup   the same bootstrap on every worker (launch/bootstrap.sh: Python, the pinned
+          requirements + jax[tpu], this package at --commit, the bucket mounted)
+  start   retrieval server, serve-model on every serving host, the trainer on every trainer
+          worker (jax.distributed environment), servers found through address files
+  status  queued-resource states and which launched processes are alive
+  logs    the tail of every process's log
+  stop    SIGTERM to every launched process
+  down    delete the queued resources (and their nodes)
+
+Backends: "gcloud" (launch/gcloud.py; --dry-run prints every gcloud/ssh command and runs
+nothing) and "local" (launch/local.py: the same roles as processes on this machine). A spec
+mistake is one line on stderr and exit status 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from launch import gcloud
+from launch.spec import SpecError
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m launch", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+  p.add_argument("action", choices=gcloud.ACTIONS)
+  p.add_argument("--spec", required=True, help="cluster spec (TOML; launch/specs/*.toml)")
+  p.add_argument("--backend", choices=("gcloud", "local"), default="gcloud")
+  p.add_argument("--experiment", help="gin experiment (overrides the spec's)")
+  p.add_argument("--gin_param", action="append", default=[], help="extra binding, every role")
+  p.add_argument("--commit", help="commit to install on the workers (default: HEAD's hash)")
+  p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+  p.add_argument("--lines", type=int, default=50, help="logs: lines per log")
+  return p.parse_args(argv)
+
+
+def _head() -> str:
+  return subprocess.run(["git", "-C", str(gcloud.REPO), "rev-parse", "HEAD"], check=True,
+                        capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  a = _parse(sys.argv[1:] if argv is None else argv)
+  try:
+    if a.backend == "local":
+      from launch import local
+
+      return local.main(a)
+    from launch import spec as spec_lib
+
+    spec = spec_lib.load(a.spec, a.experiment)
+    commit = a.commit or (_head() if a.action == "setup" else "HEAD")
+    if a.action == "logs":
+      commands = gcloud.logs(spec, a.lines)
+    else:
+      commands = gcloud.plan(spec, a.action, commit=commit, gin_params=tuple(a.gin_param))
+  except SpecError as e:
+    print(f"launch {a.action}: spec error: {e}", file=sys.stderr)
+    return 2
+  try:
+    return gcloud.run(commands, dry_run=a.dry_run)
+  except subprocess.CalledProcessError as e:
+    print(f"launch {a.action}: {' '.join(e.cmd[:6])} ... failed ({e.returncode}): "
+          f"{(e.stderr or '').strip()[:500]}", file=sys.stderr)  # fmt: skip
+    return 1

@@ -1,0 +1,242 @@
+"""The Cloud TPU backend: every action of a run as gcloud / ssh commands.
+
+Flags as the gcloud reference documents them (checked 2026-11-25):
+  https://cloud.google.com/sdk/gcloud/reference/compute/tpus/queued-resources/create
+    QUEUED_RESOURCE --zone --runtime-version --accelerator-type --node-id [--spot|--reserved]
+  https://cloud.google.com/sdk/gcloud/reference/compute/tpus/queued-resources/delete
+    QUEUED_RESOURCE --zone [--async] [--force] (force: delete the nodes first)
+  https://cloud.google.com/sdk/gcloud/reference/compute/tpus/tpu-vm/ssh
+    TPU --zone --worker=WORKER|all --command=COMMAND
+Each slice is one queued resource whose node id is the slice name. `plan(...)` returns the
+commands; `run(...)` executes them from the repository root (or only prints them with dry_run),
+so the golden tests and a real launch share every string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from launch import roles
+from launch.spec import ClusterSpec, Slice
+
+REPO = Path(__file__).resolve().parents[1]
+# On every worker (home-relative): the code, the virtualenv, logs and pid files.
+CODE, VENV, RUN = "~/asearcher_jax", "~/asearcher_venv", "~/asearcher_run"
+# Stands for trainer worker 0's internal IP in printed plans (resolved with `describe` in a run).
+TRAINER_IP = "TRAINER0_IP"
+ACTIONS = ("up", "setup", "start", "status", "logs", "stop", "down")
+# Web-tool keys: printed as $NAME, filled in from the launching environment when a plan runs.
+SECRETS = ("SERPER_API_KEY", "JINA_API_KEY")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Command:
+  """One command; `capture` names a value its stdout provides to later commands."""
+
+  argv: tuple[str, ...]
+  capture: str | None = None
+
+  def __str__(self) -> str:
+    return shlex.join(self.argv)
+
+
+def _where(spec: ClusterSpec) -> list[str]:
+  return [f"--project={spec.project}", f"--zone={spec.zone}"]
+
+
+def _ssh(spec: ClusterSpec, s: Slice, worker: int | str, script: str) -> Command:
+  return Command(argv=("gcloud", "compute", "tpus", "tpu-vm", "ssh", s.name, *_where(spec),
+                       f"--worker={worker}", f"--command={script}"))  # fmt: skip
+
+
+def _bucket(spec: ClusterSpec) -> tuple[str, str]:
+  """gs://name/some/prefix -> ("name", "some/prefix/")."""
+  name, _, prefix = spec.bucket.removeprefix("gs://").partition("/")
+  return name, f"{prefix}/" if prefix else ""
+
+
+def shared(spec: ClusterSpec) -> str:
+  """The run's directory on the bucket mount (run dir, address files, weights store)."""
+  return f"{spec.mount}/{_bucket(spec)[1]}runs/{spec.name}"
+
+
+def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
+  root = shared(spec)
+  files = tuple(
+    f"{root}/addresses/{s.name}-w{w}.json" for s in spec.serving for w in range(s.hosts)
+  )
+  return roles.Layout(
+    gin_files=(spec.experiment,), gin_params=gin_params, run_dir=f"{root}/train",
+    weights_dir=f"{root}/weights", address_files=files, host="0.0.0.0",
+    serve_port=spec.serve_port, retrieval_port=spec.retrieval_port,
+    retrieval_address=f"{TRAINER_IP}:{spec.retrieval_port}" if spec.tools == "local" else None,
+    asearcher=(f"{VENV}/bin/asearcher",),
+  )  # fmt: skip
+
+
+def _background(name: str, argv: list[str], env: dict[str, str] | None = None) -> str:
+  """Shell that starts `argv` detached with its log and pid file under ~/asearcher_run."""
+  envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+  cmd = shlex.join(argv).replace(shlex.quote(f"{VENV}/bin/asearcher"), f"{VENV}/bin/asearcher")
+  return (
+    f"mkdir -p {RUN}/logs {RUN}/pids && cd {CODE} && "
+    f"{envs + ' ' if envs else ''}nohup {cmd} > {RUN}/logs/{name}.log 2>&1 & "
+    f"echo $! > {RUN}/pids/{name}.pid"
+  )
+
+
+def up(spec: ClusterSpec) -> list[Command]:
+  extra = {"spot": ["--spot"], "reserved": ["--reserved"]}.get(spec.provisioning, [])
+  create = [
+    Command(argv=("gcloud", "compute", "tpus", "queued-resources", "create", s.name,
+                  f"--node-id={s.name}", *_where(spec), f"--accelerator-type={s.accelerator_type}",
+                  f"--runtime-version={spec.runtime_version}", *extra))
+    for s in spec.slices
+  ]  # fmt: skip
+  return create + [_state(spec, s) for s in spec.slices]
+
+
+def _state(spec: ClusterSpec, s: Slice) -> Command:
+  return Command(argv=("gcloud", "compute", "tpus", "queued-resources", "describe", s.name,
+                       *_where(spec), "--format=value(state.state)"), capture=f"state:{s.name}")  # fmt: skip
+
+
+def setup(spec: ClusterSpec, commit: str) -> list[Command]:
+  """The same bootstrap on every worker: the code at `commit` (a tarball through the bucket),
+  Python 3.11, requirements.txt + jax[tpu] at the pinned jax version, the bucket mounted."""
+  tarball = f"{spec.bucket}/code/asearcher_jax-{commit}.tar.gz"
+  script = f"{spec.bucket}/code/bootstrap-{commit}.sh"
+  local = f"/tmp/asearcher_jax-{commit}.tar.gz"
+  cmds = [
+    Command(argv=("git", "archive", "--format=tar.gz", f"--output={local}", commit)),
+    Command(argv=("gcloud", "storage", "cp", local, tarball)),
+    Command(argv=("gcloud", "storage", "cp", "launch/bootstrap.sh", script)),
+  ]  # fmt: skip
+  boot = f"gcloud storage cat {script} | bash -s -- {tarball} {_bucket(spec)[0]} {spec.mount}"
+  return cmds + [_ssh(spec, s, "all", boot) for s in spec.slices]
+
+
+def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
+  """Retrieval server on trainer worker 0, serve-model on every serving host (each announces
+  itself in an address file on the shared mount), then the trainer on every trainer worker."""
+  lay = layout(spec, gin_params)
+  cmds = [
+    Command(argv=("gcloud", "compute", "tpus", "tpu-vm", "describe", spec.trainer.name,
+                  *_where(spec), "--format=value(networkEndpoints[0].ipAddress)"),
+            capture=TRAINER_IP),
+  ]  # fmt: skip
+  if spec.tools == "local":
+    cmds.append(_ssh(spec, spec.trainer, 0, _background("retrieval", roles.retrieval_argv(lay))))
+  index = 0
+  for s in spec.serving:
+    for w in range(s.hosts):
+      announce = (
+        f'mkdir -p {shared(spec)}/addresses && echo "{{\\"http\\": \\"$(hostname -I | '
+        f"cut -d' ' -f1):{spec.serve_port}\\\"}}\" > {lay.address_files[index]}"
+      )
+      # serve-model's own address file names 0.0.0.0; the shared one names this host's IP.
+      own = dataclasses.replace(lay, address_files=("/tmp/asearcher_serve.json",))
+      script = f"{announce} && {_background('serve', roles.serve_argv(own, 0))}"
+      cmds.append(_ssh(spec, s, w, script))
+      index += 1
+  coordinator = f"{TRAINER_IP}:{spec.coordinator_port}"
+  keys = {k: f"${k}" for k in SECRETS}
+  for w in range(spec.trainer.hosts):
+    env = roles.trainer_env(coordinator, spec.trainer.hosts, w)
+    script = _background("trainer", roles.trainer_argv(lay), env)
+    if spec.tools == "web":  # filled in from the launching environment by run(), never printed
+      script = " ".join(f"{k}={v}" for k, v in keys.items()) + f" bash -c {shlex.quote(script)}"
+    cmds.append(_ssh(spec, spec.trainer, w, script))
+  return cmds
+
+
+_ALIVE = (f"for f in {RUN}/pids/*.pid; do [ -e \"$f\" ] || continue; "
+          f"p=$(cat \"$f\"); if kill -0 \"$p\" 2>/dev/null; then s=alive; else s=dead; fi; "
+          f"echo \"$(hostname) $(basename \"$f\" .pid) $p $s\"; done")  # fmt: skip
+
+
+def status(spec: ClusterSpec) -> list[Command]:
+  return [_state(spec, s) for s in spec.slices] + [
+    _ssh(spec, s, "all", _ALIVE) for s in spec.slices
+  ]
+
+
+def logs(spec: ClusterSpec, lines: int = 50) -> list[Command]:
+  script = f"tail -n {lines} {RUN}/logs/*.log"
+  return [_ssh(spec, s, "all", script) for s in spec.slices]
+
+
+def stop(spec: ClusterSpec) -> list[Command]:
+  """SIGTERM to every process the launcher started (its pid files), then their pid files go."""
+  script = (f"for f in {RUN}/pids/*.pid; do [ -e \"$f\" ] && kill \"$(cat \"$f\")\" "
+            f"2>/dev/null; rm -f \"$f\"; done; true")  # fmt: skip
+  return [_ssh(spec, s, "all", script) for s in spec.slices]
+
+
+def down(spec: ClusterSpec) -> list[Command]:
+  return [
+    Command(argv=("gcloud", "compute", "tpus", "queued-resources", "delete", s.name,
+                  *_where(spec), "--force", "--async", "--quiet"))
+    for s in spec.slices
+  ]  # fmt: skip
+
+
+def plan(spec: ClusterSpec, action: str, *, commit: str = "HEAD",
+         gin_params: tuple[str, ...] = ()) -> list[Command]:  # fmt: skip
+  """Every command of `action`, in order."""
+  if action == "setup":
+    return setup(spec, commit)
+  if action == "start":
+    return start(spec, gin_params)
+  return {"up": up, "status": status, "logs": logs, "stop": stop, "down": down}[action](spec)
+
+
+Runner = Callable[[list[str]], str]
+
+
+def _subprocess(argv: list[str]) -> str:
+  return subprocess.run(
+    argv, check=True, capture_output=True, text=True, timeout=1800, cwd=REPO
+  ).stdout
+
+
+def run(commands: list[Command], *, dry_run: bool, out=None, runner: Runner = _subprocess,
+        wait_active_s: float = 7200.0, poll_s: float = 30.0) -> int:  # fmt: skip
+  """Prints each command (substituting captured values) and, unless dry_run, runs it; `state:`
+  captures poll until the queued resource is ACTIVE (FAILED/SUSPENDED: error)."""
+  out = out or sys.stdout
+  values: dict[str, str] = {}
+  secrets = {f"${k}": shlex.quote(os.environ.get(k, "")) for k in SECRETS}
+  for c in commands:
+    argv = [_fill(a, values) for a in c.argv]
+    print(shlex.join(argv), file=out, flush=True)
+    if dry_run:
+      continue
+    argv = [_fill(a, secrets) for a in argv]
+    if c.capture and c.capture.startswith("state:"):
+      deadline = time.monotonic() + wait_active_s
+      while (state := runner(argv).strip()) != "ACTIVE":
+        if state in ("FAILED", "SUSPENDED") or time.monotonic() > deadline:
+          print(f"launch: {c.capture[6:]} is {state or 'unknown'}", file=sys.stderr)
+          return 1
+        time.sleep(poll_s)
+      continue
+    text = runner(argv)
+    if c.capture:
+      values[c.capture] = text.strip()
+    elif text:
+      print(text, file=out, end="" if text.endswith("\n") else "\n", flush=True)
+  return 0
+
+
+def _fill(arg: str, values: dict[str, str]) -> str:
+  for k, v in values.items():
+    arg = arg.replace(k, v)
+  return arg

@@ -1,0 +1,250 @@
+"""The local backend: a run's roles as processes on this machine (the simulated pod tests use).
+
+`start` spawns a supervisor (`python -m launch.local supervise RUN_DIR`, its own session) that
+starts the retrieval server, N `serve-model` processes and the trainer process(es) with the same
+argv as on a pod (launch/roles.py; loopback, free ports, the weights store a directory), writes a
+pid file per process, restarts a server that dies while the trainer runs, and when the trainer
+exits (or on `stop`) terminates everything it started. `status` reads the pid files, `logs` tails
+the logs, `stop` signals the supervisor and waits until no process of the run is left.
+
+A local spec (TOML):
+    name = "tiny"
+    experiment = "gin/experiments/asearcher_local_qwen2_5_7b.gin"
+    overlays = ["gin/overlays/recipe_tiny.gin"]
+    run_dir = "runs/launch_tiny"
+    serving = 2          # serve-model processes
+    trainers = 1         # trainer processes (jax.distributed: one coordinator, N processes)
+    tools = "local"      # or "web"
+    gin_params = []      # extra bindings, every role
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from launch import roles
+from launch.spec import SpecError
+
+REPO = Path(__file__).resolve().parents[1]
+ASEARCHER = (sys.executable, "-m", "asearcher_jax.main")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalSpec:
+  """One local run."""
+
+  name: str
+  experiment: str
+  overlays: tuple[str, ...] = ()
+  run_dir: str
+  serving: int = 1
+  trainers: int = 1
+  tools: str = "local"
+  gin_params: tuple[str, ...] = ()
+
+
+def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
+  p = Path(path)
+  try:
+    d = tomllib.loads(p.read_text())
+  except FileNotFoundError:
+    raise SpecError(f"{p}: no such spec file") from None
+  known = {f.name for f in dataclasses.fields(LocalSpec)}
+  if unknown := sorted(set(d) - known):
+    raise SpecError(f"{p}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)})")
+  for k in ("serving", "trainers"):
+    if not isinstance(d.get(k, 1), int) or d.get(k, 1) < 1:
+      raise SpecError(f"{p}: {k} must be an integer >= 1, got {d.get(k)!r}")
+  if d.get("tools", "local") not in ("local", "web"):
+    raise SpecError(f'{p}: tools must be "local" or "web"')
+  for k in ("name", "run_dir"):
+    if not d.get(k):
+      raise SpecError(f"{p}: {k} is required")
+  exp = experiment or d.get("experiment")
+  if not exp:
+    raise SpecError(f"{p}: no experiment")
+  return LocalSpec(**{**d, "experiment": exp, "overlays": tuple(d.get("overlays", ())),
+                      "gin_params": tuple(d.get("gin_params", ()))})  # fmt: skip
+
+
+def layout(spec: LocalSpec, run: Path, extra: tuple[str, ...] = ()) -> roles.Layout:
+  return roles.Layout(
+    gin_files=(spec.experiment, *spec.overlays), gin_params=(*spec.gin_params, *extra),
+    run_dir=str(run / "train"), weights_dir=str(run / "weights"),
+    address_files=tuple(str(run / "addresses" / f"serve-{i}.json") for i in range(spec.serving)),
+    retrieval_addr_dir=str(run / "retrieval") if spec.tools == "local" else None,
+    host="127.0.0.1", serve_port=0, retrieval_port=0, asearcher=ASEARCHER,
+  )  # fmt: skip
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  try:  # a zombie child counts as gone
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+class Supervisor:
+  """Starts the roles, restarts dead servers, tears everything down at the end."""
+
+  def __init__(self, spec: LocalSpec, run: Path, extra: tuple[str, ...]) -> None:
+    self.spec, self.run = spec, run
+    self.lay = layout(spec, run, extra)
+    self.procs: dict[str, subprocess.Popen] = {}
+    self.argv: dict[str, tuple[list[str], dict[str, str]]] = {}
+    self.restarts: dict[str, int] = {}
+    self.stopping = False
+
+  def spawn(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    self.argv[role] = (argv, env or {})
+    log = open(self.run / "logs" / f"{role}.log", "a")  # noqa: SIM115 (the child owns it)
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                         env={**os.environ, **(env or {})})  # fmt: skip
+    log.close()
+    self.procs[role] = p
+    (self.run / "pids" / f"{role}.json").write_text(
+      json.dumps({"role": role, "pid": p.pid, "argv": argv, "restarts": self.restarts.get(role, 0)})
+    )
+
+  def start(self) -> None:
+    for d in ("logs", "pids", "addresses", "weights", "retrieval"):
+      (self.run / d).mkdir(parents=True, exist_ok=True)
+    if self.spec.tools == "local":
+      self.spawn("retrieval", roles.retrieval_argv(self.lay))
+    for i in range(self.spec.serving):
+      self.spawn(f"serve-{i}", roles.serve_argv(self.lay, i))
+    coordinator = f"127.0.0.1:{_free_port()}"
+    for i in range(self.spec.trainers):
+      env = roles.trainer_env(coordinator, self.spec.trainers, i)
+      self.spawn(f"trainer-{i}", roles.trainer_argv(self.lay), env)
+
+  def loop(self, poll_s: float = 0.5) -> int:
+    """Until every trainer exited or a stop: restart servers that died; returns trainer 0's code."""
+    while not self.stopping:
+      trainers = [p for r, p in self.procs.items() if r.startswith("trainer-")]
+      if all(p.poll() is not None for p in trainers):
+        break
+      for role, p in list(self.procs.items()):
+        if not role.startswith("trainer-") and p.poll() is not None:
+          self.restarts[role] = self.restarts.get(role, 0) + 1
+          print(f"supervisor: {role} (pid {p.pid}) exited {p.returncode}; restarting", flush=True)
+          self.spawn(role, *self.argv[role])
+      time.sleep(poll_s)
+    code = self.procs["trainer-0"].poll()
+    self.teardown()
+    return 0 if code == 0 else 1
+
+  def teardown(self, grace_s: float = 30.0) -> None:
+    for p in self.procs.values():
+      if p.poll() is None:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in self.procs.values():
+      try:
+        p.wait(max(deadline - time.monotonic(), 0.1))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(10)
+
+
+def supervise(run_dir: str) -> int:
+  run = Path(run_dir)
+  cfg = json.loads((run / "launch.json").read_text())
+  sup = Supervisor(LocalSpec(**{**cfg["spec"], "overlays": tuple(cfg["spec"]["overlays"]),
+                                "gin_params": tuple(cfg["spec"]["gin_params"])}),
+                   run, tuple(cfg["extra"]))  # fmt: skip
+
+  def on_term(*_):
+    sup.stopping = True
+
+  signal.signal(signal.SIGTERM, on_term)
+  signal.signal(signal.SIGINT, on_term)
+  sup.start()
+  code = sup.loop()
+  (run / "supervisor.done").write_text(f"{code}\n")
+  return code
+
+
+def pids(run: Path) -> dict[str, int]:
+  """Every process of the run by role (the supervisor included)."""
+  out = {}
+  for f in sorted((run / "pids").glob("*.json")) if (run / "pids").exists() else ():
+    out[f.stem] = json.loads(f.read_text())["pid"]
+  sup = run / "supervisor.pid"
+  if sup.exists():
+    out["supervisor"] = int(sup.read_text())
+  return out
+
+
+def main(a) -> int:
+  spec = load(a.spec, a.experiment)
+  run = (REPO / spec.run_dir) if not Path(spec.run_dir).is_absolute() else Path(spec.run_dir)
+  if a.action in ("up", "setup", "down"):
+    print(f"launch {a.action}: the local backend has nothing to provision")
+    return 0
+  if a.action == "start":
+    if any(_alive(p) for p in pids(run).values()):
+      print(f"launch start: {run} already has live processes (stop first)", file=sys.stderr)
+      return 1
+    run.mkdir(parents=True, exist_ok=True)
+    for f in (run / "pids").glob("*.json") if (run / "pids").exists() else ():
+      f.unlink()
+    (run / "supervisor.done").unlink(missing_ok=True)
+    (run / "launch.json").write_text(json.dumps(
+      {"spec": dataclasses.asdict(spec), "extra": list(a.gin_param)}, indent=1))  # fmt: skip
+    argv = [sys.executable, "-m", "launch.local", "supervise", str(run)]
+    print(" ".join(argv), flush=True)
+    if a.dry_run:
+      return 0
+    log = open(run / "supervisor.log", "a")  # noqa: SIM115
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                         start_new_session=True)  # fmt: skip
+    (run / "supervisor.pid").write_text(str(p.pid))
+    return 0
+  if a.action == "status":
+    for role, pid in pids(run).items():
+      print(f"{role} {pid} {'alive' if _alive(pid) else 'dead'}")
+    return 0
+  if a.action == "logs":
+    for f in sorted((run / "logs").glob("*.log")):
+      print(f"==> {f.name} <==\n" + "\n".join(f.read_text().splitlines()[-a.lines :]))
+    return 0
+  # stop: the supervisor tears its children down; then make sure nothing is left.
+  live = pids(run)
+  if "supervisor" in live and _alive(live["supervisor"]):
+    os.kill(live["supervisor"], signal.SIGTERM)
+  deadline = time.monotonic() + 60
+  while any(_alive(p) for p in live.values()) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  for role, pid in live.items():
+    if _alive(pid):
+      print(f"launch stop: {role} ({pid}) ignored SIGTERM; killing", file=sys.stderr)
+      os.kill(pid, signal.SIGKILL)
+  return 0
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 3 and sys.argv[1] == "supervise":
+    sys.exit(supervise(sys.argv[2]))
+  sys.exit("usage: python -m launch.local supervise RUN_DIR")

@@ -1,0 +1,103 @@
+"""What each process of a run executes: the same argv on a TPU worker and on this machine.
+
+A run has three roles, all configured by one gin experiment (the recipe binds train, serve-model
+and serve-retrieval; see gin/experiments/*.gin):
+  retrieval  `asearcher serve-retrieval` (local tools; web recipes use API keys instead),
+  serving    `asearcher serve-model` per serving host: announces itself in an address file and
+             loads every version the trainer publishes to the weights store,
+  trainer    `asearcher train` per trainer worker with remote engines: the rollout controller
+             learns the servers from the address files; jax.distributed gets its coordinator,
+             process count and id from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+             JAX_PROCESS_ID.
+Only the paths, hosts and ports differ between the gcloud and local backends (`Layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+  """Where a run's shared state lives and how its processes find each other."""
+
+  # The gin experiment, then overlays layered after it (e.g. gin/overlays/recipe_tiny.gin).
+  gin_files: tuple[str, ...]
+  # Extra bindings for every role (a sweep point, a step count).
+  gin_params: tuple[str, ...] = ()
+  # The trainer's run directory (checkpoints, replay, metrics, summary) on the shared filesystem.
+  run_dir: str
+  # The weights store: the trainer publishes each version here, every server polls it.
+  weights_dir: str
+  # One address file per serving process (the trainer waits for all of them).
+  address_files: tuple[str, ...]
+  # Where the retrieval server announces itself (local backend), or its fixed "host:port" (a
+  # pod: the server binds 0.0.0.0 on trainer worker 0); both None: the recipe uses web tools.
+  retrieval_addr_dir: str | None = None
+  retrieval_address: str | None = None
+  # Interface the servers bind ("0.0.0.0" on a pod's private network, loopback locally).
+  host: str = "127.0.0.1"
+  # HTTP port of each serve-model (0: a free one, announced in its address file).
+  serve_port: int = 0
+  retrieval_port: int = 0
+  # The command that runs `asearcher` (a venv's script on a worker, `python -m` locally).
+  asearcher: tuple[str, ...] = ("asearcher",)
+
+
+def _gin(layout: Layout) -> list[str]:
+  args = [f"--gin_file={f}" for f in layout.gin_files]
+  return args + [f"--gin_param={p}" for p in layout.gin_params]
+
+
+def _q(s: str) -> str:
+  """A gin string literal."""
+  return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def retrieval_argv(layout: Layout) -> list[str]:
+  args = [
+    *layout.asearcher, "serve-retrieval", *_gin(layout),
+    f"--gin_param=serve_retrieval.serve.host={_q(layout.host)}",
+    f"--gin_param=serve_retrieval.serve.port={layout.retrieval_port}",
+  ]  # fmt: skip
+  if layout.retrieval_addr_dir is not None:
+    args.append(f"--gin_param=serve_retrieval.serve.addr_dir={_q(layout.retrieval_addr_dir)}")
+  return args
+
+
+def serve_argv(layout: Layout, index: int) -> list[str]:
+  """serve-model number `index` (its address file is `layout.address_files[index]`)."""
+  return [
+    *layout.asearcher, "serve-model", *_gin(layout),
+    f"--gin_param=openai_api.OpenAIServerConfig.host={_q(layout.host)}",
+    f"--gin_param=openai_api.OpenAIServerConfig.port={layout.serve_port}",
+    f"--gin_param=serve_model.serve.address_file={_q(layout.address_files[index])}",
+    f"--gin_param=serve_model.serve.weights_dir={_q(layout.weights_dir)}",
+  ]  # fmt: skip
+
+
+def trainer_argv(layout: Layout) -> list[str]:
+  files = ", ".join(_q(f) for f in layout.address_files)
+  args = [
+    *layout.asearcher, "train", *_gin(layout),
+    f"--gin_param=commands.train.run_dir={_q(layout.run_dir)}",
+    f"--gin_param=train_config.RemoteEnginesConfig.address_files=({files},)",
+    f"--gin_param=train_config.RemoteEnginesConfig.weights_dir={_q(layout.weights_dir)}",
+  ]  # fmt: skip
+  if layout.retrieval_address is not None:
+    where = f"search.LocalRetrievalConfig.addresses=({_q(layout.retrieval_address)},)"
+  elif layout.retrieval_addr_dir is not None:
+    where = f"search.LocalRetrievalConfig.addr_dir={_q(layout.retrieval_addr_dir)}"
+  else:
+    return args
+  return [*args, "--gin_param=wiring.ToolsConfig.local=@search.LocalRetrievalConfig()",
+          f"--gin_param={where}"]  # fmt: skip
+
+
+def trainer_env(coordinator: str, processes: int, process_id: int) -> dict[str, str]:
+  """jax.distributed's environment for trainer process `process_id` of `processes`."""
+  return {
+    "JAX_COORDINATOR_ADDRESS": coordinator,
+    "JAX_NUM_PROCESSES": str(processes),
+    "JAX_PROCESS_ID": str(process_id),
+  }

@@ -1,0 +1,248 @@
+"""The cluster spec: which slices a run gets, where, and with which TPU software.
+
+A spec is a small TOML file (stdlib `tomllib`, no new dependency):
+
+    name = "as-7b"                       # prefix of every resource name
+    project = "my-project"
+    zone = "us-east5-a"
+    bucket = "gs://my-bucket/asearcher"  # code tarballs, run dirs, the weights store
+    experiment = "gin/experiments/asearcher_local_qwen2_5_7b.gin"
+    runtime_version = "v2-alpha-tpuv5"   # optional: the chip's default
+    provisioning = "spot"                # "on-demand" (default), "spot" or "reserved"
+    [trainer]
+    accelerator_type = "v5p-32"
+    [serving]
+    accelerator_type = "v5p-8"
+    count = 2
+
+Chips, accelerator-type names and runtime versions follow the Cloud TPU documentation
+(checked 2026-11-25):
+  runtime versions  https://cloud.google.com/tpu/docs/runtimes ("PyTorch and JAX": v6e
+                    v2-alpha-tpuv6e, v5p v2-alpha-tpuv5, v5e v2-alpha-tpuv5-lite, v4 and older
+                    tpu-ubuntu2204-base; the gcloud reference's own v4 example uses
+                    v2-alpha-tpuv4, accepted too)
+  v5p               https://cloud.google.com/tpu/docs/v5p ("v5p-32 = 32 TensorCores, 16 chips",
+                    4 chips per host, 95 GB HBM2e per chip)
+  v5e               https://cloud.google.com/tpu/docs/v5e (v5litepod-N = N chips, 16 GB HBM2,
+                    up to 8 chips on one host, 4 per host in multi-host slices)
+  v6e               https://cloud.google.com/tpu/docs/v6e (v6e-N = N chips, 32 GB HBM)
+  v4                https://cloud.google.com/tpu/docs/v4 (v4-N = N TensorCores, 2 per chip,
+                    4 chips per host, 32 GiB HBM)
+A mistake is one `SpecError` naming the file and key, raised before any command runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+
+class SpecError(ValueError):
+  """A cluster spec that cannot be launched; the message names the file and key."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Chip:
+  """One TPU generation as gcloud names and sizes it."""
+
+  # Short name used by the planner and in messages ("v5e").
+  name: str
+  # Prefix of its accelerator types ("v5litepod" in "v5litepod-16").
+  type_prefix: str
+  # What the number in the accelerator type counts: "cores" (TensorCores, 2 per chip) or "chips".
+  counts: str
+  # HBM per chip, GB as the documentation states it.
+  hbm_gb: float
+  # Runtime versions that match the chip; the first is the default.
+  runtimes: tuple[str, ...]
+  # Chips on one host of a single-host slice, and per host of a multi-host slice.
+  single_host_chips: int
+  chips_per_host: int
+  # Valid slice sizes (the accelerator type's number).
+  sizes: tuple[int, ...]
+
+
+_POW2 = tuple(2**i for i in range(0, 14))
+CHIPS: dict[str, Chip] = {
+  c.name: c
+  for c in (
+    Chip(name="v4", type_prefix="v4", counts="cores", hbm_gb=32.0,
+         runtimes=("tpu-ubuntu2204-base", "v2-alpha-tpuv4"), single_host_chips=4,
+         chips_per_host=4, sizes=tuple(s for s in _POW2 if s >= 8)),
+    Chip(name="v5e", type_prefix="v5litepod", counts="chips", hbm_gb=16.0,
+         runtimes=("v2-alpha-tpuv5-lite",), single_host_chips=8, chips_per_host=4,
+         sizes=(1, 4, 8, 16, 32, 64, 128, 256)),
+    Chip(name="v5p", type_prefix="v5p", counts="cores", hbm_gb=95.0,
+         runtimes=("v2-alpha-tpuv5",), single_host_chips=4, chips_per_host=4,
+         sizes=tuple(s for s in _POW2 if s >= 8)),
+    Chip(name="v6e", type_prefix="v6e", counts="chips", hbm_gb=32.0,
+         runtimes=("v2-alpha-tpuv6e",), single_host_chips=8, chips_per_host=4,
+         sizes=(1, 4, 8, 16, 32, 64, 128, 256)),
+  )
+}  # fmt: skip
+_BY_PREFIX = {c.type_prefix: c for c in CHIPS.values()}
+PROVISIONING = ("on-demand", "spot", "reserved")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Slice:
+  """One queued resource: a TPU slice of `hosts` VMs."""
+
+  # Resource name (queued resource id = node id).
+  name: str
+  # gcloud accelerator type, e.g. "v5p-32".
+  accelerator_type: str
+  chip: Chip
+  # Chips in the slice and VMs (workers) it has.
+  chips: int
+  hosts: int
+
+
+def parse_accelerator(accelerator_type: str, where: str) -> tuple[Chip, int, int]:
+  """'v5p-32' -> (v5p, 16 chips, 4 hosts); SpecError naming `where` otherwise."""
+  m = re.fullmatch(r"([a-z0-9]+)-(\d+)", accelerator_type)
+  chip = _BY_PREFIX.get(m.group(1)) if m else None
+  if chip is None:
+    known = ", ".join(f"{c.type_prefix}-N ({c.name})" for c in CHIPS.values())
+    raise SpecError(f"{where}: unknown accelerator type {accelerator_type!r} (known: {known})")
+  n = int(m.group(2))
+  if n not in chip.sizes:
+    raise SpecError(
+      f"{where}: {accelerator_type!r} is not a {chip.name} slice size (sizes: "
+      f"{', '.join(map(str, chip.sizes))})"
+    )
+  chips = n // 2 if chip.counts == "cores" else n
+  hosts = 1 if chips <= chip.single_host_chips else chips // chip.chips_per_host
+  return chip, chips, hosts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+  """A validated spec: one trainer slice and N serving slices of one TPU generation."""
+
+  # Where it came from (messages name it).
+  source: str
+  # Prefix of every resource name; lowercase letters, digits and '-'.
+  name: str
+  project: str
+  zone: str
+  # gs:// URL under which code tarballs, the run and the weights store live.
+  bucket: str
+  # The gin experiment every role runs (repository-relative).
+  experiment: str
+  # One runtime version for every slice, matching their chip.
+  runtime_version: str
+  # "on-demand", "spot" or "reserved".
+  provisioning: str
+  # "local": a retrieval server on trainer worker 0; "web": Serper/Jina keys from the launching
+  # environment ($SERPER_API_KEY, $JINA_API_KEY) are passed to the trainer.
+  tools: str = "local"
+  trainer: Slice
+  serving: tuple[Slice, ...]
+  # Port of each serve-model host's HTTP API and of the retrieval server, and the
+  # jax.distributed coordinator port on trainer worker 0.
+  serve_port: int = 8010
+  retrieval_port: int = 8000
+  coordinator_port: int = 8476
+  # Where the bucket is mounted on every worker (gcsfuse): the shared directory for the run dir,
+  # address files and the weights store.
+  mount: str = "/mnt/asearcher"
+
+  @property
+  def chip(self) -> Chip:
+    return self.trainer.chip
+
+  @property
+  def slices(self) -> tuple[Slice, ...]:
+    return (self.trainer, *self.serving)
+
+
+_TOP_KEYS = {"name", "project", "zone", "bucket", "experiment", "runtime_version", "provisioning",
+             "trainer", "serving", "tools", "serve_port", "retrieval_port", "coordinator_port", "mount"}  # fmt: skip
+
+
+def _str(d: dict, key: str, where: str, default: str | None = None) -> str:
+  v = d.get(key, default)
+  if not isinstance(v, str) or not v:
+    raise SpecError(f"{where}: {key} must be a non-empty string, got {v!r}")
+  return v
+
+
+def from_dict(
+  d: dict[str, Any], source: str = "<spec>", experiment: str | None = None
+) -> ClusterSpec:
+  """Validates a parsed spec; `experiment` (the command line's) wins over the file's."""
+  unknown = sorted(set(d) - _TOP_KEYS)
+  if unknown:
+    raise SpecError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {sorted(_TOP_KEYS)})")
+  name = _str(d, "name", source)
+  if not re.fullmatch(r"[a-z][a-z0-9-]{0,40}", name):
+    raise SpecError(f"{source}: name {name!r} must be lowercase letters, digits and '-'")
+  bucket = _str(d, "bucket", source)
+  if not bucket.startswith("gs://"):
+    raise SpecError(f"{source}: bucket must be a gs:// URL, got {bucket!r}")
+  provisioning = d.get("provisioning", "on-demand")
+  if provisioning not in PROVISIONING:
+    raise SpecError(f"{source}: provisioning must be one of {PROVISIONING}, got {provisioning!r}")
+  t = d.get("trainer")
+  if not isinstance(t, dict):
+    raise SpecError(f"{source}: a [trainer] table with accelerator_type is required")
+  chip, chips, hosts = parse_accelerator(
+    _str(t, "accelerator_type", f"{source} [trainer]"), f"{source} [trainer] accelerator_type"
+  )
+  trainer = Slice(name=f"{name}-trainer", accelerator_type=t["accelerator_type"], chip=chip,
+                  chips=chips, hosts=hosts)  # fmt: skip
+  s = d.get("serving", {})
+  count = s.get("count", 1)
+  if not isinstance(count, int) or count < 1:
+    raise SpecError(f"{source} [serving]: count must be an integer >= 1, got {count!r}")
+  s_type = _str(s, "accelerator_type", f"{source} [serving]")
+  s_chip, s_chips, s_hosts = parse_accelerator(s_type, f"{source} [serving] accelerator_type")
+  if s_chip is not chip:
+    raise SpecError(
+      f"{source}: [serving] is {s_chip.name} but [trainer] is {chip.name}; one runtime version "
+      "serves one TPU generation, so both must be the same chip"
+    )
+  serving = tuple(
+    Slice(name=f"{name}-serve-{i}", accelerator_type=s_type, chip=s_chip, chips=s_chips,
+          hosts=s_hosts)
+    for i in range(count)
+  )  # fmt: skip
+  runtime = d.get("runtime_version", chip.runtimes[0])
+  if runtime not in chip.runtimes:
+    raise SpecError(
+      f"{source}: runtime_version {runtime!r} does not match {chip.name} "
+      f"(use {' or '.join(chip.runtimes)}; https://cloud.google.com/tpu/docs/runtimes)"
+    )
+  tools = d.get("tools", "local")
+  if tools not in ("local", "web"):
+    raise SpecError(f'{source}: tools must be "local" or "web", got {tools!r}')
+  exp = experiment or d.get("experiment")
+  if not exp:
+    raise SpecError(f'{source}: no experiment (set experiment = "gin/experiments/...")')
+  ports = {k: d.get(k, v) for k, v in (("serve_port", 8010), ("retrieval_port", 8000),
+                                        ("coordinator_port", 8476))}  # fmt: skip
+  for k, v in ports.items():
+    if not isinstance(v, int) or not 0 < v < 65536:
+      raise SpecError(f"{source}: {k} must be a TCP port, got {v!r}")
+  return ClusterSpec(
+    source=source, name=name, project=_str(d, "project", source), zone=_str(d, "zone", source),
+    bucket=bucket.rstrip("/"), experiment=exp, runtime_version=runtime,
+    provisioning=provisioning, tools=tools, trainer=trainer, serving=serving,
+    mount=_str(d, "mount", source, "/mnt/asearcher"), **ports,
+  )  # fmt: skip
+
+
+def load(path: str | Path, experiment: str | None = None) -> ClusterSpec:
+  """Reads and validates a TOML spec."""
+  p = Path(path)
+  try:
+    d = tomllib.loads(p.read_text())
+  except FileNotFoundError:
+    raise SpecError(f"{p}: no such spec file") from None
+  except tomllib.TOMLDecodeError as e:
+    raise SpecError(f"{p}: not valid TOML: {e}") from None
+  return from_dict(d, str(p), experiment)

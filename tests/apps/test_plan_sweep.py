@@ -1,0 +1,110 @@
+"""`asearcher plan RECIPE` and `asearcher sweep SWEEP.gin` through the real entry point."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import gin
+import pytest
+
+from asearcher_jax import main as cli
+from asearcher_jax.apps import sweep as sweeping
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = [
+  *sorted((REPO / "gin" / "experiments").glob("*_qwen2_5_*.gin")),
+  REPO / "gin" / "experiments" / "asearcher_web_qwq_32b.gin",
+]
+
+
+def run_main(argv: list[str]) -> tuple[int, str]:
+  gin.clear_config()
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rc = cli.main(argv)
+  gin.clear_config()
+  return rc, out.getvalue()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_plan_of_every_recipe(recipe):
+  rc, out = run_main(["plan", str(recipe.relative_to(REPO))])
+  p = json.loads(out.strip().splitlines()[-1])
+  assert rc == (0 if p["trainer_fits"]["v5p"] and p["serving_fits"]["v5p"] else 1)
+  t = p["trainer_gb_per_chip"]
+  assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"), abs=0.05)
+  assert p["speedup_async_vs_sync"] >= 1.0 and p["train_step_s"] > 0
+  # The recipe headers quote the planner; a figure that drifts must be updated there.
+  header = recipe.read_text().split("from __gin__")[0]
+  assert f"{t['total']} GB" in header, (t["total"], header)
+  assert f"{p['serving_gb_per_chip']['total']} GB" in header
+
+
+def test_sweep_expansion_names_and_table():
+  pts = sweeping.expand({"a.b.lr": ("1e-4", "3e-4"), "c.eta": ("0", "4")}, [{"c.eta": "8"}])
+  assert pts == [
+    {"a.b.lr": "1e-4", "c.eta": "0"}, {"a.b.lr": "1e-4", "c.eta": "4"},
+    {"a.b.lr": "3e-4", "c.eta": "0"}, {"a.b.lr": "3e-4", "c.eta": "4"}, {"c.eta": "8"},
+  ]  # fmt: skip
+  assert sweeping.point_name(3, pts[3]) == "p03-lr=3e-4-eta=4"
+  assert sweeping.point_name(1, {"x.s": '"a b/c"'}) == "p01-s=_a_b_c_"
+  with pytest.raises(Exception, match="non-empty tuple"):
+    sweeping.expand({"a": "1e-4"}, [])
+  t = sweeping.table([{"point": "p0", "x": 0.123456, "y": None}], ["point", "x", "y"])
+  assert t.splitlines()[2] == "| p0 | 0.1235 |  |"
+
+
+def test_sweep_of_plans_runs_points_as_processes_and_resumes(tmp_path):
+  """A 2 x 2 grid of `asearcher plan` (seconds per point): each point a process with its own
+  operative config, the table from their JSON lines; a rerun runs nothing again."""
+  sweep_file = tmp_path / "s.gin"
+  sweep_file.write_text(f"""
+from __gin__ import dynamic_registration
+from asearcher_jax.apps import sweep as sweeping
+sweeping.sweep.command = "plan"
+sweeping.sweep.gin_files = ("{REPO}/gin/experiments/asearcher_local_qwen2_5_7b.gin",)
+sweeping.sweep.root = "{tmp_path}/runs"
+sweeping.sweep.grid = {{
+  "plan_memory.TrainerShape.chips": ("16", "64"),
+  "plan_memory.TrainerShape.row_len": ("4096", "8192"),
+}}
+sweeping.sweep.metrics = ("train_step_s", "speedup_async_vs_sync")
+""")
+  rc, out = run_main(["sweep", str(sweep_file)])
+  assert rc == 0, out
+  rows = [json.loads(x) for x in (tmp_path / "runs" / "results.jsonl").read_text().splitlines()]
+  assert [r["point"] for r in rows] == [
+    "p00-chips=16-row_len=4096", "p01-chips=16-row_len=8192",
+    "p02-chips=64-row_len=4096", "p03-chips=64-row_len=8192",
+  ]  # fmt: skip
+  assert all(r["status"] == "ran" for r in rows)
+  # More chips: a shorter step; the operative config names the point's own binding.
+  assert rows[2]["train_step_s"] < rows[0]["train_step_s"]
+  op = (tmp_path / "runs" / rows[3]["point"] / "operative_config.gin").read_text()
+  assert "TrainerShape.row_len = 8192" in op and "TrainerShape.chips = 64" in op
+  assert "| p03-chips=64-row_len=8192 | 64 | 8192 |" in out
+  rc, out = run_main(["sweep", str(sweep_file)])
+  assert rc == 0 and out.count("| done before |") == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # four quickstarts, ~3-6 minutes each on 2 busy cores
+def test_two_by_two_sweep_of_the_ci_sized_quickstart(tmp_path):
+  """gin/sweeps/quickstart_ci.gin as shipped (learning rate x eta over the CI-sized quickstart),
+  its root moved to tmp: four quickstarts, one table of their summaries."""
+  root = tmp_path / "sweep"
+  rc, out = run_main(["sweep", "gin/sweeps/quickstart_ci.gin",
+                      f'--gin_param=sweeping.sweep.root="{root}"'])  # fmt: skip
+  assert rc == 0, out
+  table = out[out.index("| point |") :].splitlines()
+  assert (
+    table[0]
+    == "| point | learning_rate | max_staleness | avg4_sft | avg4_rl | pass4_rl | wall_s | status |"
+  )
+  assert len(table) == 2 + 4 and all(r.endswith("| ran |") for r in table[2:])
+  for r in (json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()):
+    assert 0.0 <= r["avg4_rl"] <= 1.0 and r["wall_s"] > 0
+    assert (root / r["point"] / "operative_config.gin").exists()

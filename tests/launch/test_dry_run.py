@@ -1,0 +1,145 @@
+"""`python -m launch ACTION --dry-run`: the exact gcloud / ssh commands of a v5e and a v5p plan
+(golden files; regenerate with UPDATE_GOLDEN=1 after checking the diff), and specs that must
+fail with one clear line before anything runs."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import cli, gcloud
+from launch.spec import CHIPS, SpecError, load, parse_accelerator
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+SPECS = {"v5e": REPO / "launch/specs/v5e.toml", "v5p": REPO / "launch/specs/v5p.toml"}
+
+
+def dry_run(spec: Path, action: str) -> tuple[int, str, str]:
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    rc = cli.main([action, "--spec", str(spec), "--dry-run", "--commit", "0123abc"])
+  return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v5p"])
+def test_dry_run_matches_golden(chip):
+  text = ""
+  for action in gcloud.ACTIONS:
+    rc, out, err = dry_run(SPECS[chip], action)
+    assert rc == 0 and not err, err
+    text += f"# {action}\n{out}"
+  golden = GOLDEN / f"{chip}.txt"
+  if os.environ.get("UPDATE_GOLDEN"):
+    golden.write_text(text)
+  assert text == golden.read_text()
+
+
+def test_plans_have_the_shape_of_the_spec():
+  spec = load(SPECS["v5p"])
+  # v5p-64: 64 TensorCores = 32 chips = 8 hosts; v5p-8: 4 chips on one host.
+  assert (spec.trainer.chips, spec.trainer.hosts) == (32, 8)
+  assert [(s.chips, s.hosts) for s in spec.serving] == [(4, 1), (4, 1)]
+  start = [str(c) for c in gcloud.start(spec)]
+  trainers = [c for c in start if "asearcher train" in c]
+  assert len(trainers) == 8
+  for i, c in enumerate(trainers):
+    assert f"--worker={i} " in c and f"JAX_PROCESS_ID={i} " in c and "JAX_NUM_PROCESSES=8 " in c
+    assert "JAX_COORDINATOR_ADDRESS=TRAINER0_IP:8476" in c
+    assert c.count("addresses/as-32b-v5p-serve-") == 2  # every server's address file
+  assert not any("serve-retrieval" in c for c in start)  # web tools: no retrieval server
+  assert all("$SERPER_API_KEY" in c for c in trainers)  # a name, never a value
+
+
+def test_run_fills_captured_values_and_waits_for_active():
+  spec = load(SPECS["v5e"])
+  calls: list[list[str]] = []
+  states = iter(["WAITING_FOR_RESOURCES", "ACTIVE", "ACTIVE", "ACTIVE"])
+
+  def runner(argv):
+    calls.append(argv)
+    if "describe" in argv and "queued-resources" in argv:
+      return next(states) + "\n"
+    return "10.0.0.7\n" if "describe" in argv else ""
+
+  out = io.StringIO()
+  gcloud.run(gcloud.up(spec), dry_run=False, out=out, runner=runner, poll_s=0)
+  assert sum("describe" in c for c in calls) == 4  # polled the trainer twice
+  calls.clear()
+  assert gcloud.run(gcloud.start(spec), dry_run=False, out=out, runner=runner) == 0
+  assert any("10.0.0.7:8476" in " ".join(c) for c in calls)
+  assert not any("TRAINER0_IP" in " ".join(c) for c in calls)
+
+
+def test_a_failed_queued_resource_stops_the_run():
+  spec = load(SPECS["v5e"])
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err):
+    rc = gcloud.run(gcloud.up(spec), dry_run=False, out=io.StringIO(),
+                    runner=lambda argv: "FAILED" if "describe" in argv else "", poll_s=0)  # fmt: skip
+  assert rc == 1 and "as-7b-v5e-trainer is FAILED" in err.getvalue()
+
+
+BASE = """name = "x"\nproject = "p"\nzone = "z"\nbucket = "gs://b"\nexperiment = "e.gin"\n"""
+
+
+@pytest.mark.parametrize(
+  "body, message",
+  [
+    ('[trainer]\naccelerator_type = "v7x-16"\n[serving]\naccelerator_type = "v7x-8"\n',
+     "[trainer] accelerator_type: unknown accelerator type 'v7x-16'"),
+    ('runtime_version = "v2-alpha-tpuv5-lite"\n[trainer]\naccelerator_type = "v5p-16"\n'
+     '[serving]\naccelerator_type = "v5p-8"\n',
+     "runtime_version 'v2-alpha-tpuv5-lite' does not match v5p (use v2-alpha-tpuv5"),
+    ('runtime_version = "tpu-ubuntu2204-base"\n[trainer]\naccelerator_type = "v6e-16"\n'
+     '[serving]\naccelerator_type = "v6e-4"\n',
+     "runtime_version 'tpu-ubuntu2204-base' does not match v6e (use v2-alpha-tpuv6e"),
+    ('[trainer]\naccelerator_type = "v5litepod-12"\n[serving]\naccelerator_type = "v5litepod-4"\n',
+     "'v5litepod-12' is not a v5e slice size"),
+    ('[trainer]\naccelerator_type = "v5p-16"\n[serving]\naccelerator_type = "v5litepod-4"\n',
+     "[serving] is v5e but [trainer] is v5p"),
+    ('zonee = "x"\n[trainer]\naccelerator_type = "v5p-16"\n', "unknown key(s) zonee"),
+  ],
+)  # fmt: skip
+def test_bad_specs_fail_with_one_line_and_run_nothing(tmp_path, body, message):
+  path = tmp_path / "spec.toml"
+  path.write_text(BASE + body)
+  for action in ("up", "start", "down"):
+    rc, out, err = dry_run(path, action)
+    assert rc == 2 and out == ""  # nothing printed, so nothing would have run
+    assert message in err and err.count("\n") == 1, err
+    assert str(path) in err
+
+
+def test_chip_table():
+  assert {c: CHIPS[c].hbm_gb for c in CHIPS} == {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+  assert parse_accelerator("v4-32", "x")[1:] == (16, 4)
+  assert parse_accelerator("v5litepod-8", "x")[1:] == (8, 1)
+  assert parse_accelerator("v6e-64", "x")[1:] == (64, 16)
+  with pytest.raises(SpecError, match="unknown accelerator"):
+    parse_accelerator("tpu-8", "x")
+
+
+def test_module_entry_point_and_missing_spec(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "launch", "up", "--spec", str(tmp_path / "no.toml"),
+                      "--dry-run"], capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
+  assert r.returncode == 2 and "no such spec file" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize(
+  "path",
+  sorted(p for p in (REPO / "launch/specs").glob("*.toml") if not p.stem.startswith("local")),
+  ids=lambda p: p.stem,
+)
+def test_every_shipped_spec_plans_and_names_an_existing_recipe(path):
+  spec = load(path)
+  assert (REPO / spec.experiment).exists(), spec.experiment
+  for action in gcloud.ACTIONS:
+    rc, out, err = dry_run(path, action)
+    assert rc == 0 and out and not err
