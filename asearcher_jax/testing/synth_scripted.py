@@ -265,7 +265,7 @@ async def toy_synthesis(out_dir: str, *, seeds: int = 12, timeout_s: float = 60.
   directory without an LLM; returns the run's summary."""
   import hashlib
 
-  from asearcher_jax.synthesis import RoleConfig, SynthConfig, run_synthesis
+  from asearcher_jax.synthesis import RoleConfig, Roles, SynthConfig, run_synthesis
   from asearcher_jax.synthesis.links import sample_pages
   from asearcher_jax.synthesis.loop import Seed
 
@@ -278,7 +278,7 @@ async def toy_synthesis(out_dir: str, *, seeds: int = 12, timeout_s: float = 60.
     result = await asyncio.wait_for(
       run_synthesis(
         [Seed(id="p" + hashlib.sha256(u.encode()).hexdigest()[:12], url=u) for u in urls],
-        store=store, graph=graph, output_dir=out_dir, generator=role, solver=role, judge=role,
+        store=store, graph=graph, output_dir=out_dir, roles=Roles(generator=role, solver=role, judge=role),
         config=SynthConfig(num_solver_samples=4, max_turns=4, seed_timeout_s=20),
         oracle=W.oracle(), run_timeout_s=timeout_s,
       ),
