@@ -195,7 +195,15 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str]) -
       except ValueError as e:
         raise ConfigError(_at(e, selector, bindings, files, params, short)) from None
   target = f"{fn.__module__}.{fn.__qualname__}"
-  bound = set(config.get(("", target), {}))
+  # gin keys a dynamically registered function by the alias its file imported it under
+  # ('from asearcher_jax.apps import sweep as sweeping' -> 'asearcher_jax.apps.sweeping.sweep'),
+  # so match by the object, or by the name where the alias path does not resolve.
+  bound: set[str] = set()
+  for (scope, selector), bindings in config.items():
+    if scope or selector.rsplit(".", 1)[-1] != fn.__name__:
+      continue
+    if selector == target or _resolve(selector) in (fn, None):
+      bound |= set(bindings)
   for name, p in inspect.signature(fn).parameters.items():
     if p.default is inspect.Parameter.empty and name not in bound:
       short = ".".join(target.split(".")[-2:])
