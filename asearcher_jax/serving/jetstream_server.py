@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import logging
 import threading
 from typing import Any
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asearcher_jax import http_guard
 from asearcher_jax.serving.engine import Engine
 from asearcher_jax.serving.engine_steps import LENGTH, VALID, Prefix, VersionedParams
 from asearcher_jax.serving.jetstream import EngineContract, import_core, pad_ids
@@ -166,6 +168,39 @@ class _Orchestrator(_core.orchestrator.LLMOrchestrator):
       yield response
 
 
+class BearerInterceptor(grpc.aio.ServerInterceptor):
+  """UNAUTHENTICATED for every RPC but `HealthCheck` without `authorization: Bearer <token>`
+  metadata: the gRPC side of `http_guard`'s bearer token (same variable, same constant-time
+  comparison; the token never appears in a status message or a log line)."""
+
+  OPEN_METHODS = ("/HealthCheck",)  # liveness probes need no token, as /health over HTTP
+
+  def __init__(self, token: str):
+    self._expected = f"Bearer {token}".encode()
+
+  async def intercept_service(self, continuation, details):
+    handler = await continuation(details)
+    if handler is None or details.method.endswith(self.OPEN_METHODS):
+      return handler
+    got = dict(details.invocation_metadata or ()).get("authorization", "")
+    if hmac.compare_digest(str(got).encode(), self._expected):
+      return handler
+
+    async def deny(request, context):
+      await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    make = (
+      grpc.unary_stream_rpc_method_handler
+      if handler.response_streaming
+      else grpc.unary_unary_rpc_method_handler
+    )
+    return make(
+      deny,
+      request_deserializer=handler.request_deserializer,
+      response_serializer=handler.response_serializer,
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GrpcServerConfig:
   """Attributes:
@@ -202,7 +237,8 @@ class JetStreamGrpcServer:
       generate_params=[params],
       interleaved_mode=True,
     )
-    self._server = grpc.aio.server()
+    token = http_guard.server_token(self.config.host)
+    self._server = grpc.aio.server(interceptors=[BearerInterceptor(token)] if token else [])
     _core.jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
       _Orchestrator(self._driver, self.engine), self._server
     )

@@ -124,3 +124,33 @@ async def test_prefill_never_raises_into_jetstream_threads(make_driver):
   assert [v[1] for v in valid] == [1, 1, 1] and lengths == [1, 2, 3]  # 13 + 3 = 16 fits
   state, result = engine.generate(params, state)
   assert int(result.convert_to_numpy().get_result_at_slot(1).valid[0, 0]) == 0  # cache full
+
+
+async def test_grpc_requires_the_bearer_token_when_one_is_set(make_driver, monkeypatch, caplog):
+  """$ASEARCHER_SERVER_TOKEN guards the gRPC service as it guards HTTP: Decode without the token
+  (or with a wrong one) is UNAUTHENTICATED, HealthCheck stays open, the token is never echoed."""
+  from asearcher_jax import http_guard
+
+  token = "planted-grpc-token-7c2d"
+  monkeypatch.setenv(http_guard.TOKEN_ENV, token)
+  driver = make_driver(tiny_model(seed=6), slots=2, max_seq_len=64, buckets=(8, 16))
+  server = JetStreamGrpcServer(driver.engine, GrpcServerConfig(port=0))
+  port = await asyncio.wait_for(server.start(), T)
+  try:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+      stub = core.jetstream_pb2_grpc.OrchestratorStub(channel)
+      assert (await stub.HealthCheck(pb2.HealthCheckRequest(), timeout=T)).is_live
+      for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", token),)):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+          async for _ in stub.Decode(by_tokens([5, 17], 3), timeout=T, metadata=metadata):
+            pass
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert token not in (e.value.details() or "")
+      ok = (("authorization", f"Bearer {token}"),)
+      ids = []
+      async for response in stub.Decode(by_tokens([5, 17], 3), timeout=T, metadata=ok):
+        ids.extend(response.stream_content.samples[0].token_ids)
+      assert len(ids) == 3
+  finally:
+    await asyncio.wait_for(server.stop(), T)
+  assert token not in caplog.text

@@ -37,15 +37,14 @@ def _import_bm25s() -> Any:
   """
   if "bm25s" in sys.modules or "jax" in sys.modules:
     import bm25s
-
-    return bm25s
-  sys.modules["jax"] = None  # type: ignore[assignment]  # makes `import jax` fail inside bm25s
-  try:
-    import bm25s
-  finally:
-    del sys.modules["jax"]
+  else:
+    sys.modules["jax"] = None  # type: ignore[assignment]  # makes `import jax` fail inside bm25s
+    try:
+      import bm25s
+    finally:
+      del sys.modules["jax"]
   # bm25s sets its logger to DEBUG at import ("Building index from IDs objects" at every build):
-  # let it follow the application's level like every other library.
+  # let it follow the application's level like every other library, however it was imported.
   logging.getLogger("bm25s").setLevel(logging.NOTSET)
   return bm25s
 
