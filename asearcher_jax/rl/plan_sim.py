@@ -66,11 +66,17 @@ class Schedule:
   max_concurrent: int | None = None
 
 
-def episode_s(w: Workload, rng: np.random.Generator) -> float:
-  k = int(np.rint(w.searches.draw(rng)))
+def group_s(w: Workload, rng: np.random.Generator, n: int) -> float:
+  """Seconds until the slowest of a group's n episodes ends. All draws of the group are made at
+  once (the planner simulates millions of episodes for a pod-sized batch)."""
+  k = np.rint(w.searches.draw(rng, n)).astype(np.int64)
   calls = 2 * k + 1
-  tokens = np.rint(w.output_tokens.draw(rng, calls)).sum()
-  return float(calls * w.call_overhead_s + tokens * w.decode_token_s + w.tool_s.draw(rng, k).sum())
+  tokens = np.rint(w.output_tokens.draw(rng, int(calls.sum())))
+  tool = w.tool_s.draw(rng, int(k.sum()))
+  episode = np.arange(n)
+  tokens_per = np.bincount(np.repeat(episode, calls), weights=tokens, minlength=n)
+  tool_per = np.bincount(np.repeat(episode, k), weights=tool, minlength=n)
+  return float(np.max(calls * w.call_overhead_s + tokens_per * w.decode_token_s + tool_per))
 
 
 def simulate(w: Workload, s: Schedule, *, steps: int = 10, seed: int = 0) -> dict[str, float]:
@@ -86,7 +92,7 @@ def simulate(w: Workload, s: Schedule, *, steps: int = 10, seed: int = 0) -> dic
   def admit(now: float) -> None:
     nonlocal admitted, in_flight, uid
     while in_flight < cap and admitted < (version + s.eta + 1) * s.batch_groups:
-      dur = max(episode_s(w, rng) for _ in range(s.group_size))
+      dur = group_s(w, rng, s.group_size)
       heapq.heappush(events, (now + dur, version, uid))
       latencies.append(dur)
       admitted, in_flight, uid = admitted + 1, in_flight + 1, uid + 1
