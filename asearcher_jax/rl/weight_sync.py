@@ -18,11 +18,12 @@ does not make the trainer wait for it (`WeightSyncConfig.background`): `publish`
 learner's device copy on the caller's thread (the train state is donated by the next step) and
 hands it to one writer thread. One write is in flight at a time; a version published while
 another still waits to start replaces it (the servers only ever want the newest; the superseded
-one is counted, never half-written). Several processes must write the same versions in the same
-order (each writes its shards between shared barriers), so there nothing is superseded: a
-publish waits only while a previous version has not started writing. A failed write is raised at
-the next `publish`, `flush` or `close`; `flush` (end of a run, before servers are awaited) and
-`close` wait for the writes, at most `timeout_s`.
+one is counted, never half-written). A failed write is raised at the next `publish`, `flush` or
+`close`; `flush` (end of a run, before servers are awaited) and `close` wait for the writes, at
+most `timeout_s`. A multi-process trainer writes on the trainer's thread, as before: Orbax's
+multi-host save synchronises the processes, and issued from a second thread it interleaves
+differently with the train step's collectives on each process (a 2-process run deadlocked in
+its first background write).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ class WeightSyncConfig:
   compress: zstd-compress the published arrays (~22 % fewer bytes, for a slow link to the
     store; ~1.7x the CPU time to write, benchmarks/weight_sync.py).
   background: the store's publisher writes on a thread of its own while the trainer steps on
-    (module docstring); False: `publish` returns once the version is committed (the old
-    behaviour, for side-by-side measurements or a store that must be current after each step).
+    (module docstring; one trainer process only, several always write in the call); False:
+    `publish` returns once the version is committed (the old behaviour, for side-by-side
+    measurements or a store that must be current after each step).
   """
 
   timeout_s: float = 600.0
@@ -133,9 +135,9 @@ class InProcessWeightSync:
 class DirectoryWeightPublisher:
   """Trainer side: writes each version into the weight store, then moves the LATEST pointer.
 
-  On a multi-host trainer every process publishes (each writes its own shards). With
-  `config.background` the writes run on a writer thread (module docstring); call `close()`
-  when done."""
+  On a multi-host trainer every process publishes (each writes its own shards, in the call).
+  With `config.background` and one process the writes run on a writer thread (module
+  docstring); call `close()` when done."""
 
   def __init__(
     self,
@@ -160,15 +162,14 @@ class DirectoryWeightPublisher:
     self._thread: threading.Thread | None = None
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
-    if not self.config.background:
+    if not self.config.background or jax.process_count() > 1:
+      self._raise_error()
       return self._publish_blocking(learner)
     t0 = time.perf_counter()
     self._raise_error()
     params = learner.params_copy()  # on this thread: the next step donates the learner's
     if self.config.dtype is not None:  # cast on device now: the writer only writes
       params = steps.cast_floating(params, self.config.dtype)
-    supersede = jax.process_count() == 1  # several processes write every version (docstring)
-    deadline = time.monotonic() + self.config.timeout_s
     with self._cond:
       if self._closed:
         raise RuntimeError(f"weight publisher for {self.root} is closed")
@@ -176,8 +177,6 @@ class DirectoryWeightPublisher:
         self._thread = threading.Thread(target=self._write_loop, name="weight-publisher",
                                         daemon=True)  # fmt: skip
         self._thread.start()
-      while self._pending is not None and not supersede:
-        self._wait(deadline, f"version {self._pending[1]} to start writing")
       if self._pending is not None:
         self.superseded.append(self._pending[1])
       self._pending = (params, learner.version)
