@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 
-from asearcher_jax.model import steps
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.serving.weights_dir import (
   ParamsSink,
@@ -167,9 +166,9 @@ class DirectoryWeightPublisher:
       return self._publish_blocking(learner)
     t0 = time.perf_counter()
     self._raise_error()
-    params = learner.params_copy()  # on this thread: the next step donates the learner's
-    if self.config.dtype is not None:  # cast on device now: the writer only writes
-      params = steps.cast_floating(params, self.config.dtype)
+    # On this thread (the next step donates the learner's buffers); the cast to the publish
+    # dtype and everything after it run on the writer.
+    params = learner.params_copy()
     with self._cond:
       if self._closed:
         raise RuntimeError(f"weight publisher for {self.root} is closed")
