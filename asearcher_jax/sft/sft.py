@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from asearcher_jax import distributed
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer, abstract_like
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model import sharding as sharding_lib
@@ -286,7 +287,10 @@ class SFTTrainer:
                dynamic_ncols=True)  # fmt: skip
     try:
       while step < stop_at:
-        if c.max_seconds is not None and time.perf_counter() - t0 > c.max_seconds:
+        # Several processes: process 0's clock decides for all (they must stop together).
+        if c.max_seconds is not None and distributed.agree(
+          time.perf_counter() - t0 > c.max_seconds
+        ):
           log.info("time budget of %.0f s reached at step %d", c.max_seconds, step)
           break
         epoch, host = self.plan.batch(step)
