@@ -22,7 +22,7 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -84,22 +84,6 @@ class ScratchModel:
   vocab_multiple: int = 64
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshConfig:
-  """The (data, fsdp, tensor) device mesh training runs on."""
-
-  # {"data": d, "fsdp": f, "tensor": t} (one size may be -1); None: every device on fsdp.
-  shape: Mapping[str, int] | None = None
-  # Use the first this many devices; None: all.
-  num_devices: int | None = None
-
-
-def build_mesh(mesh: MeshConfig):
-  """The mesh over the first `mesh.num_devices` devices."""
-  devices = jax.devices()[: mesh.num_devices] if mesh.num_devices else jax.devices()
-  return sharding_lib.make_mesh(**dict(mesh.shape or {"fsdp": -1}), devices=devices)
-
-
 def sft(
   *,
   trajectories: str | Sequence[str],
@@ -108,7 +92,8 @@ def sft(
   scratch: ScratchModel = ScratchModel(),
   config: SFTConfig | None = None,
   optimizer: steps.OptimizerConfig | None = None,
-  mesh: MeshConfig = MeshConfig(),
+  mesh: sharding_lib.MeshConfig = sharding_lib.MeshConfig(),
+  precision: steps.PrecisionConfig = steps.PrecisionConfig(),
   export_dtype: str | None = None,
   name: str | None = None,
 ) -> int:
@@ -124,8 +109,10 @@ def sft(
     scratch: the preset of a from-scratch policy and how its vocabulary is rounded.
     config: steps, batch shape, eval/log/checkpoint cadence, data seed; None: SFTConfig().
     optimizer: AdamW settings; None: `sft.default_optimizer(config.steps)`.
-    mesh: the device mesh (default: all devices on fsdp).
-    export_dtype: dtype of the exported weights (None: the parameters' dtype).
+    mesh: the (data, fsdp, tensor) mesh over every process's devices (default: all on fsdp).
+    precision: the master dtype of parameters and Adam's moments (fp32 by default; the forward
+      runs in the model config's dtype).
+    export_dtype: dtype of the exported weights (None: each parameter's dtype as loaded).
     name: the model card's title.
   """
   t0 = time.time()
@@ -135,7 +122,8 @@ def sft(
   model_dir, init_seed = policy.model_dir, policy.seed
   tok_dir = resolve_tokenizer_dir(policy.tokenizer_dir, model_dir)
   tokenizer = Tokenizer.from_dir(tok_dir)
-  device_mesh = build_mesh(mesh)
+  device_mesh = mesh.build()
+  lead = jax.process_index() == 0
 
   # data: read, hash, split by trajectory, sequences
   paths = [trajectories] if isinstance(trajectories, str) else list(trajectories)
@@ -176,7 +164,7 @@ def sft(
     log.warning("row_len %d > max_position_embeddings %d", config.row_len,
                 cfg.max_position_embeddings)  # fmt: skip
   print(
-    f"[sft] {stats.trajectories} trajectories -> {len(train_seqs)} train / {len(eval_seqs)} eval "
+    f"[sft{'' if lead else f' process {jax.process_index()}'}] {stats.trajectories} trajectories -> {len(train_seqs)} train / {len(eval_seqs)} eval "
     f"sequences, {stats.loss_tokens} loss tokens; policy {init}, "
     f"{cfg.num_params() / 1e6:.2f}M params; mesh {dict(device_mesh.shape)}",
     flush=True,
@@ -185,15 +173,18 @@ def sft(
   trainer = SFTTrainer(
     graphdef, params, config=config, train_seqs=train_seqs, eval_seqs=eval_seqs,
     optimizer=optimizer, out_dir=out, pad_id=tokenizer.pad_id, mesh=device_mesh,
-    meta={"data_sha256": data_sha},
+    meta={"data_sha256": data_sha}, precision=precision,
   )  # fmt: skip
   try:
     result = trainer.train()
+    # Every process takes part (tensors held across processes are gathered); process 0 writes.
     model_path = export_lib.export_model(
-      graphdef, trainer.state.params, out / "model", tokenizer_dir=tok_dir, dtype=export_dtype
+      graphdef, trainer.export_params(), out / "model", tokenizer_dir=tok_dir, dtype=export_dtype
     )
   finally:
     trainer.close()
+  if not lead:
+    return 0
 
   summary = {
     "name": name or f"sft-{cfg.model_type}-{cfg.num_params() / 1e6:.1f}m",

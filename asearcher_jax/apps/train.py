@@ -120,6 +120,19 @@ class TrainRun:
     return version
 
   def close(self) -> None:
+    try:
+      self._close_weights()
+    finally:
+      self._close_rest()
+
+  def _close_weights(self) -> None:
+    """The weight store's writer: the last version committed (a failed write raised here)."""
+    sync = self.remote if self.remote is not None else self.trainer.weight_sync
+    close = getattr(sync, "close_publisher", None) or getattr(sync, "close", None)
+    if close is not None:
+      close()
+
+  def _close_rest(self) -> None:
     if self.rollout is not None:
       self.rollout.stop()  # cancels running groups, then closes the ToolBox and the server
     if self.driver is not None:

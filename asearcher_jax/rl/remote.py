@@ -96,9 +96,18 @@ class RemoteEngines:
     """`WeightSync`: writes the learner's version; the servers load it on their next poll."""
     return self.publisher.publish(learner)
 
+  def flush(self, timeout: float | None = None) -> None:
+    """Waits for the versions published so far to be in the store (background writes)."""
+    self.publisher.flush(timeout)
+
+  def close_publisher(self) -> None:
+    """Waits for the last write (at most the sync's timeout_s) and stops the writer thread."""
+    self.publisher.close()
+
   def wait_loaded(self, timeout_s: float) -> None:
     """Blocks until every server runs what the LATEST pointer names (same publish time), or
     raises AsearcherError naming the servers that did not (unreachable, or still loading)."""
+    self.publisher.flush(timeout_s)  # what was published is in the store first
     latest = read_latest(self.publisher.root)
     if latest is None:
       raise AsearcherError(f"nothing published in {self.publisher.root}")

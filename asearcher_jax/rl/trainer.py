@@ -234,9 +234,17 @@ class Trainer:
         if self.checkpointer is not None and self.config.checkpoint_every:
           self._final_checkpoint()
         break
+    self.flush_weights()
     self._commit_saved(wait=True)
     self.writer.flush()
     return last
+
+  def flush_weights(self) -> None:
+    """Waits for a weight sync that writes in the background (`WeightSyncConfig.background`)
+    to commit the last version, so a finished run leaves its newest policy published."""
+    flush = getattr(self.weight_sync, "flush", None)
+    if flush is not None:
+      flush()
 
   def _final_checkpoint(self) -> None:
     """A checkpoint of the last step when the time budget ends the run between checkpoints."""

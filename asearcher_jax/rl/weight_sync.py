@@ -12,14 +12,27 @@ Multi-process: `DirectoryWeightPublisher` writes each version into the versioned
 a commit marker, an atomic LATEST pointer), which every `serve-model` watches and reads straight
 into its own sharding. The store's format, pointer and watcher live on the serving side, so the
 engine never depends on the trainer.
+
+Writing a version takes seconds per GB (benchmarks/weight_sync.py), so by default the publisher
+does not make the trainer wait for it (`WeightSyncConfig.background`): `publish` takes the
+learner's device copy on the caller's thread (the train state is donated by the next step) and
+hands it to one writer thread. One write is in flight at a time; a version published while
+another still waits to start replaces it (the servers only ever want the newest; the superseded
+one is counted, never half-written). A failed write is raised at the next `publish`, `flush` or
+`close`; `flush` (end of a run, before servers are awaited) and `close` wait for the writes, at
+most `timeout_s`. A multi-process trainer writes on the trainer's thread, as before: Orbax's
+multi-host save synchronises the processes, and issued from a second thread it interleaves
+differently with the train step's collectives on each process (a 2-process run deadlocked in
+its first background write).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +74,17 @@ class WeightSyncConfig:
     param's dtype (float32 master weights publish at twice the bytes).
   compress: zstd-compress the published arrays (~22 % fewer bytes, for a slow link to the
     store; ~1.7x the CPU time to write, benchmarks/weight_sync.py).
+  background: the store's publisher writes on a thread of its own while the trainer steps on
+    (module docstring; one trainer process only, several always write in the call); False:
+    `publish` returns once the version is committed (the old behaviour, for side-by-side
+    measurements or a store that must be current after each step).
   """
 
   timeout_s: float = 600.0
   keep_versions: int = 2
   dtype: str | None = "bfloat16"
   compress: bool = False
+  background: bool = True
 
   def __post_init__(self):
     if self.timeout_s <= 0:
@@ -116,7 +134,9 @@ class InProcessWeightSync:
 class DirectoryWeightPublisher:
   """Trainer side: writes each version into the weight store, then moves the LATEST pointer.
 
-  On a multi-host trainer every process publishes (each writes its own shards)."""
+  On a multi-host trainer every process publishes (each writes its own shards, in the call).
+  With `config.background` and one process the writes run on a writer thread (module
+  docstring); call `close()` when done."""
 
   def __init__(
     self,
@@ -130,25 +150,139 @@ class DirectoryWeightPublisher:
     self.graphdef = graphdef
     self.staleness = staleness
     self.config = config
+    self.written: list[int] = []  # versions committed to the store, in order
+    self.superseded: list[int] = []  # versions replaced before their write started
+    self._cond = threading.Condition()
+    self._pending: tuple[Any, int] | None = None  # (params, version) waiting for the writer
+    self._writing: int | None = None  # the version being written
+    self._error: BaseException | None = None
+    self._last: dict[str, float] = {}  # figures of the last completed write
+    self._closed = False
+    self._thread: threading.Thread | None = None
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
+    if not self.config.background or jax.process_count() > 1:
+      self._raise_error()
+      return self._publish_blocking(learner)
     t0 = time.perf_counter()
+    self._raise_error()
+    # On this thread (the next step donates the learner's buffers); the cast to the publish
+    # dtype and everything after it run on the writer.
     params = learner.params_copy()
-    path = self.write(params, learner.version)
-    total = time.perf_counter() - t0
+    with self._cond:
+      if self._closed:
+        raise RuntimeError(f"weight publisher for {self.root} is closed")
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._write_loop, name="weight-publisher",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+      if self._pending is not None:
+        self.superseded.append(self._pending[1])
+      self._pending = (params, learner.version)
+      self._cond.notify_all()
+      last = dict(self._last)
     if self.staleness is not None:
-      # Servers stamp tokens with the version they actually run, so staleness measured from
-      # token versions stays exact while they catch up.
+      # The learner's version, at once: servers stamp tokens with the version they actually
+      # run, so staleness measured from token versions stays exact while the write completes.
       self.staleness.set_version(learner.version)
-    dtype = self.config.dtype
-    gb = sum(x.size * jnp.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(params)) / 1e9
-    log.info("published version %d to %s: %.3f GB in %.2f s", learner.version, path, gb, total)
-    return {"weight_sync/total_s": total, "weight_sync/gb": gb, "weight_sync/s_per_gb": total / gb}
+    return {
+      **last, "weight_sync/charged_s": time.perf_counter() - t0,
+      "weight_sync/superseded": float(len(self.superseded)),
+    }  # fmt: skip
+
+  def flush(self, timeout: float | None = None) -> None:
+    """Waits until every published version is written (or superseded); raises a failed write,
+    or TimeoutError after `timeout` (default `config.timeout_s`) seconds."""
+    deadline = time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
+    with self._cond:
+      while self._pending is not None or self._writing is not None:
+        self._wait(deadline, "the weight writes to finish")
+    self._raise_error()
+
+  def close(self, timeout: float | None = None) -> None:
+    """`flush`, then stops the writer thread; publishing after it is an error."""
+    try:
+      self.flush(timeout)
+    finally:
+      with self._cond:
+        self._closed = True
+        self._cond.notify_all()
+      if self._thread is not None:
+        self._thread.join(5.0)
+        self._thread = None
 
   def write(self, params: nnx.State, version: int) -> epath.Path:
+    """Writes `params` as `version` now, on the caller's thread; returns its directory."""
     final = write_version(
       self.root, nnx.merge(self.graphdef, params), version, dtype=self.config.dtype,
       compress=self.config.compress,
     )  # fmt: skip
     prune_versions(self.root, keep=self.config.keep_versions, newest=version)
     return final
+
+  # --- internals ------------------------------------------------------------------------------
+
+  def _publish_blocking(self, learner: PolicySource) -> dict[str, float]:
+    t0 = time.perf_counter()
+    params = learner.params_copy()
+    path = self.write(params, learner.version)
+    total = time.perf_counter() - t0
+    self.written.append(learner.version)
+    if self.staleness is not None:
+      # Servers stamp tokens with the version they actually run, so staleness measured from
+      # token versions stays exact while they catch up.
+      self.staleness.set_version(learner.version)
+    figures = self._figures(params, total, learner.version, path)
+    return {**figures, "weight_sync/charged_s": total}
+
+  def _figures(self, params: Any, seconds: float, version: int, path: epath.Path):
+    dtype = self.config.dtype
+    gb = sum(x.size * jnp.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(params)) / 1e9
+    log.info("published version %d to %s: %.3f GB in %.2f s", version, path, gb, seconds)
+    return {"weight_sync/total_s": seconds, "weight_sync/gb": gb,
+            "weight_sync/s_per_gb": seconds / gb}  # fmt: skip
+
+  def _wait(self, deadline: float, what: str) -> None:
+    """One wait on the condition (held), or TimeoutError past `deadline`."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+      raise TimeoutError(
+        f"weight publisher for {self.root}: waited {self.config.timeout_s:g} s for {what} "
+        "(WeightSyncConfig.timeout_s)"
+      )
+    self._cond.wait(min(left, 1.0))
+
+  def _raise_error(self) -> None:
+    with self._cond:
+      error, self._error = self._error, None
+    if error is not None:
+      raise RuntimeError(f"writing weights to {self.root} failed: {error}") from error
+
+  def _write_loop(self) -> None:
+    while True:
+      with self._cond:
+        while self._pending is None and not self._closed:
+          self._cond.wait(1.0)
+        if self._pending is None:
+          return
+        (params, version), self._pending = self._pending, None
+        self._writing = version
+        self._cond.notify_all()
+      try:
+        t0 = time.perf_counter()
+        path = self.write(params, version)
+        figures = self._figures(params, time.perf_counter() - t0, version, path)
+        figures["weight_sync/written_version"] = float(version)
+      except BaseException as e:  # raised on the trainer's thread at its next call
+        log.exception("writing weights version %d to %s failed", version, self.root)
+        figures, error = None, e
+      else:
+        error = None
+      with self._cond:
+        self._writing = None
+        if error is not None:
+          self._error = error
+        else:
+          self.written.append(version)
+          self._last = figures
+        self._cond.notify_all()

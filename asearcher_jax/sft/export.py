@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 
 from asearcher_jax.model import hf_io
@@ -40,10 +41,13 @@ def export_model(
   tokenizer_dir: str | Path,
   dtype: str | None = None,
 ) -> Path:
-  """Writes the HF model directory (weights, config.json, tokenizer files); returns its path."""
+  """Writes the HF model directory (weights, config.json, tokenizer files); returns its path.
+  In a multi-process program every process calls it (tensors sharded across processes are
+  gathered); only process 0 writes."""
   model: Transformer = nnx.merge(graphdef, params)
   out = hf_io.save(model, out_dir, dtype=dtype)
-  copy_tokenizer(tokenizer_dir, out)
+  if jax.process_index() == 0:
+    copy_tokenizer(tokenizer_dir, out)
   return out
 
 

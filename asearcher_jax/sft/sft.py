@@ -6,6 +6,14 @@ shardings), so SFT and RL share one optimizer path. `SFTTrainer` is a thin orche
 named phases: restore -> (batch -> step -> log -> eval -> checkpoint)* -> final eval. The data
 plan of step k is a pure function of k (see `sft.data`), so resuming from a checkpoint
 continues with exactly the batches an uninterrupted run would have seen.
+
+Precision and processes work as in the RL learner (`rl.learner.Learner`): parameters and Adam's
+moments are kept in `PrecisionConfig.master_dtype` (fp32: a bf16 checkpoint's small updates do
+not round away) while the forward runs in the model config's dtype, and the export goes back to
+the dtype each parameter was loaded in. In a multi-process program (`jax.distributed`) every
+process builds the same data plan, so each step's global batch is known everywhere and each
+process places only the rows its own devices hold (`sharding.put`); Orbax writes every
+process's shards, and only process 0 writes metrics and the HF export.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from asearcher_jax import distributed
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer, abstract_like
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model import sharding as sharding_lib
@@ -174,6 +183,7 @@ class SFTTrainer:
     mesh: Mesh | None = None,
     rules: Mapping = sharding_lib.DEFAULT_RULES,
     meta: Mapping[str, object] | None = None,
+    precision: steps.PrecisionConfig = steps.PrecisionConfig(),
   ) -> None:
     self.config = c = config
     self.graphdef = graphdef
@@ -192,8 +202,15 @@ class SFTTrainer:
       eval_seqs, row_len=c.row_len, rows_per_batch=c.rows_per_batch, pad_id=pad_id
     )
     opt = steps.make_optimizer(optimizer or default_optimizer(c.steps))
+    # The export gets each parameter back in the dtype it was loaded in (see the docstring).
+    self._export_dtypes = jax.tree.map(lambda x: x.dtype, params)
+    params = steps.cast_floating(params, precision.master_dtype)
+    if mesh is None and jax.process_count() > 1:
+      raise ValueError("a multi-process SFT run needs a mesh over every process's devices")
     if mesh is not None:
-      params = jax.device_put(params, sharding_lib.param_shardings(params, mesh, rules))
+      # The same values on every process (one init seed, one checkpoint); each process places
+      # only the shards its devices hold.
+      params = sharding_lib.put(params, sharding_lib.param_shardings(params, mesh, rules))
     self.state = steps.init_train_state(params, opt)
     self._batch_sharding = None if mesh is None else sharding_lib.batch_sharding(mesh, rules=rules)
     self._train = steps.compile_train_step(graphdef, opt, sft_loss, self.state, mesh=mesh,
@@ -223,11 +240,18 @@ class SFTTrainer:
     log.info("resumed SFT at step %d", step)
     return int(step)
 
+  def export_params(self) -> nnx.State:
+    """The trained parameters in the dtypes the policy was loaded in (the master copy is fp32)."""
+    return jax.tree.map(
+      lambda x, d: x.astype(d) if x.dtype != d else x, self.state.params, self._export_dtypes
+    )
+
   def to_device(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     host = {k: batch[k] for k in data_lib.BATCH_KEYS}
     if self._batch_sharding is None:
       return jax.device_put(host)
-    return jax.device_put(host, self._batch_sharding)
+    # Every process built the same global batch; each takes only the rows its devices hold.
+    return sharding_lib.put(host, self._batch_sharding)
 
   def evaluate(self) -> dict[str, float]:
     """Token-weighted NLL and greedy accuracy over every held-out generated token."""
@@ -263,7 +287,10 @@ class SFTTrainer:
                dynamic_ncols=True)  # fmt: skip
     try:
       while step < stop_at:
-        if c.max_seconds is not None and time.perf_counter() - t0 > c.max_seconds:
+        # Several processes: process 0's clock decides for all (they must stop together).
+        if c.max_seconds is not None and distributed.agree(
+          time.perf_counter() - t0 > c.max_seconds
+        ):
           log.info("time budget of %.0f s reached at step %d", c.max_seconds, step)
           break
         epoch, host = self.plan.batch(step)

@@ -78,6 +78,10 @@ class ScriptedRollout:
       self.staleness.on_accept()
       self.next += 1
 
+  def flush(self, timeout=None) -> None:
+    if self.store is not None:
+      self.store.flush(timeout)
+
   def publish(self, learner) -> dict[str, float]:
     import jax
 
@@ -177,6 +181,8 @@ def main(spec: dict) -> None:
     from asearcher_jax.model import hf_io
 
     hf_io.save(nnx.merge(graphdef, learner.params), run / "export")
+  if store is not None:
+    store.close()  # background writes: the last version is committed before the result
   ckpt.close()
   writer.close()
   result = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import jax
@@ -25,7 +26,13 @@ from asearcher_jax.rl.weight_sync import (
   WeightSyncConfig,
 )
 from asearcher_jax.serving.types import SamplingParams
-from asearcher_jax.serving.weights_dir import LATEST, DirectoryWeightWatcher, read_latest
+from asearcher_jax.serving.weights_dir import (
+  LATEST,
+  DirectoryWeightWatcher,
+  load_version,
+  read_latest,
+  versions,
+)
 from tests.serving.conftest import VOCAB, make_driver, tiny_model, tokenizer  # noqa: F401
 
 
@@ -112,8 +119,8 @@ def test_directory_publish_and_watch(tmp_path):
   learner = make_learner(model)
   graphdef, _ = nnx.split(model)
   staleness = StalenessManager(StalenessConfig(batch_groups=1))
-  publisher = DirectoryWeightPublisher(
-    tmp_path / "weights", graphdef, staleness, WeightSyncConfig(keep_versions=1)
+  publisher = DirectoryWeightPublisher(  # blocking: committed when publish returns
+    tmp_path / "weights", graphdef, staleness, WeightSyncConfig(keep_versions=1, background=False)
   )
   sink = RecordingSink()
   watcher = DirectoryWeightWatcher(tmp_path / "weights", sink, version=0)
@@ -157,11 +164,13 @@ def test_watcher_runs_whatever_the_pointer_names(tmp_path):
   watcher = DirectoryWeightWatcher(tmp_path / "w", sink, version=0)
   assert watcher.status() is None
   publisher.publish(learner)  # version 0: a fresh run's start
+  publisher.flush()  # background writes (the default): wait for the commit
   assert watcher.poll_once() == 0 and sink.recomputes == [True]
   assert watcher.status()["version"] == 0 and watcher.poll_once() is None
   at_v0 = jax.tree.map(np.asarray, learner.params)
   learner.train_step([one_group(0)])
   publisher.publish(learner)
+  publisher.flush()
   assert watcher.poll_once() == 1 and sink.recomputes[-1] is None  # newer: kv_on_update decides
   # The trainer crashed before checkpointing v1 and resumed at v0: same version, new pointer.
   time.sleep(0.01)
@@ -186,7 +195,107 @@ def test_watcher_thread_feeds_a_real_driver(tmp_path, make_driver):  # noqa: F81
       time.sleep(0.02)
   finally:
     watcher.stop()
+    publisher.close()
   assert watcher.loaded == [1] and leaves_equal(driver._params.state, bf16(learner.params))
+
+
+class GatedPublisher(DirectoryWeightPublisher):
+  """A slow store: each write waits for `gate` (then writes for real, or fails on `fail_at`)."""
+
+  def __init__(self, *args, fail_at: int | None = None, **kw) -> None:
+    super().__init__(*args, **kw)
+    self.gate = threading.Event()
+    self.started: list[int] = []
+    self.fail_at = fail_at
+
+  def write(self, params, version):
+    self.started.append(version)
+    assert self.gate.wait(30), "the test never opened the gate"
+    if version == self.fail_at:
+      raise OSError("store unreachable")
+    return super().write(params, version)
+
+
+def test_background_publish_lets_the_trainer_run_ahead_of_a_slow_store(tmp_path):
+  """Four real train steps and publishes complete while the store cannot finish a single write;
+  then the first version and the newest are committed, in order, with the right weights; the
+  two between were superseded (never half-written). Blocking mode waits for the store."""
+  model = tiny_model()
+  learner = make_learner(model)
+  staleness = StalenessManager(StalenessConfig(batch_groups=1, max_staleness=4))
+  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], staleness,
+                             WeightSyncConfig(keep_versions=4))  # fmt: skip
+  published = {}
+  for v in range(1, 5):
+    learner.train_step([one_group(v)])
+    metrics = publisher.publish(learner)  # returns with the store stuck on version 1
+    published[v] = bf16(learner.params)
+    assert staleness.version == v and learner.version == v
+    assert metrics["weight_sync/charged_s"] >= 0
+  assert publisher.written == [] and read_latest(tmp_path / "w") is None
+  publisher.gate.set()
+  publisher.flush(timeout=60)
+  assert publisher.started == [1, 4] and publisher.written == [1, 4]
+  assert publisher.superseded == [2, 3]
+  assert sorted(versions(tmp_path / "w")) == [1, 4] and read_latest(tmp_path / "w")["version"] == 4
+  for v in (1, 4):  # each committed version holds the weights of its own step
+    got = load_version(tmp_path / "w" / f"v{v:08d}")
+    assert leaves_equal(got, published[v])
+  m = publisher.publish(learner)  # the next publish reports the last completed write
+  assert m["weight_sync/written_version"] == 4 and m["weight_sync/gb"] > 0
+  publisher.close(timeout=60)
+  with pytest.raises(RuntimeError, match="closed"):
+    publisher.publish(learner)
+
+  blocking = GatedPublisher(tmp_path / "b", nnx.split(model)[0],
+                            config=WeightSyncConfig(background=False))  # fmt: skip
+  t = threading.Thread(target=blocking.publish, args=(learner,), daemon=True)
+  t.start()
+  t.join(0.3)
+  assert t.is_alive() and blocking.written == []  # the trainer waits on the store
+  blocking.gate.set()
+  t.join(60)
+  assert not t.is_alive() and blocking.written == [learner.version]
+
+
+def test_background_write_errors_surface_and_close_times_out(tmp_path):
+  model = tiny_model()
+  learner = make_learner(model)
+  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], fail_at=0)
+  publisher.publish(learner)  # version 0: its write will fail
+  with pytest.raises(TimeoutError, match=r"WeightSyncConfig\.timeout_s"):
+    publisher.flush(timeout=0.2)  # the store is stuck: no hang, a clear error
+  publisher.gate.set()
+  with pytest.raises(RuntimeError, match="store unreachable"):
+    publisher.flush(timeout=60)
+  learner.train_step([one_group(1)])
+  publisher.publish(learner)  # raised once; the next version goes through
+  publisher.close(timeout=60)
+  assert publisher.written == [1] and versions(tmp_path / "w") == [1]
+  # An error still pending at close is raised there.
+  failing = GatedPublisher(tmp_path / "f", nnx.split(model)[0], fail_at=1)
+  failing.gate.set()
+  failing.publish(learner)
+  with pytest.raises(RuntimeError, match="store unreachable"):
+    failing.close(timeout=60)
+
+
+def test_several_processes_publish_in_the_call(tmp_path, monkeypatch):
+  """A multi-process trainer keeps writing on its own thread (Orbax's multi-host save must
+  interleave with the train step's collectives the same way on every process)."""
+  model = tiny_model()
+  learner = make_learner(model)
+  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0])  # background=True
+  publisher.write = lambda params, v: (publisher.started.append(v), publisher.gate.wait(30))
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  call = threading.Thread(target=publisher.publish, args=(learner,), daemon=True)
+  call.start()
+  call.join(0.3)
+  assert call.is_alive() and publisher.started == [0]  # the write runs inside publish
+  publisher.gate.set()
+  call.join(60)
+  assert not call.is_alive() and publisher.written == [0] and publisher._thread is None
+  publisher.close(timeout=5)
 
 
 def test_config_validation():

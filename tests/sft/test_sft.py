@@ -150,16 +150,18 @@ def test_packed_loss_equals_unpacked(tok, trajs):
   assert float(packed["correct"]) == sum(float(a["correct"]) for a in alone)
 
 
-def _trainer(out_dir, tok, seqs, *, steps_=40, eval_seqs=(), layers=2, **cfg_kw):
-  cfg = tiny_cfg(tok.vocab_size, num_layers=layers)
+def _trainer(out_dir, tok, seqs, *, steps_=40, eval_seqs=(), layers=2, model_kw=None,
+             lr=3e-3, precision=steps.PrecisionConfig(), **cfg_kw):  # fmt: skip
+  cfg = tiny_cfg(tok.vocab_size, num_layers=layers, **(model_kw or {}))
   graphdef, params = _params(cfg)
   config = sft.SFTConfig(
     **{**dict(steps=steps_, row_len=256, rows_per_batch=2, eval_every=0, log_every=5,
               checkpoint_every=0, progress=False), **cfg_kw}
   )  # fmt: skip
-  opt = steps.OptimizerConfig(learning_rate=3e-3, warmup_steps=2, weight_decay=0.0)
+  opt = steps.OptimizerConfig(learning_rate=lr, warmup_steps=2, weight_decay=0.0)
   return sft.SFTTrainer(graphdef, params, config=config, train_seqs=seqs, eval_seqs=eval_seqs,
-                        optimizer=opt, out_dir=out_dir, pad_id=tok.pad_id)  # fmt: skip
+                        optimizer=opt, out_dir=out_dir, pad_id=tok.pad_id,
+                        precision=precision)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +226,32 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tok, trajs):
   assert again.start_step == 6 and again.step == 6  # finished: nothing left to train
 
 
+def test_bf16_policy_trains_on_fp32_master_weights(tmp_path, tok, trajs):
+  """A bf16 checkpoint at a small learning rate: pure bf16 (master_dtype=None, the old
+  behaviour) rounds nearly every update away; the fp32 master copy keeps them, and the export
+  is bf16 again (what was loaded)."""
+  seqs, bf16 = _seqs(trajs), {"param_dtype": "bfloat16", "dtype": "bfloat16"}
+  runs = {}
+  for name, precision in (("mixed", steps.PrecisionConfig()),
+                          ("pure", steps.PrecisionConfig(master_dtype=None))):  # fmt: skip
+    t = _trainer(tmp_path / name, tok, seqs, steps_=3, layers=1, model_kw=bf16, lr=1e-5,
+                 precision=precision)  # fmt: skip
+    before = [np.asarray(x, np.float32) for x in jax.tree.leaves(t.export_params())]
+    t.train()
+    runs[name] = (before, t)
+  before, mixed = runs["mixed"]
+  assert {x.dtype for x in jax.tree.leaves(mixed.state.params)} == {jnp.dtype("float32")}
+  assert {x.dtype for x in jax.tree.leaves(mixed.export_params())} == {jnp.dtype("bfloat16")}
+  master = [np.asarray(x) for x in jax.tree.leaves(mixed.state.params)]
+  moved = np.mean(np.concatenate([(m != b).ravel() for m, b in zip(master, before)]))
+  pure_before, pure = runs["pure"]
+  after = [np.asarray(x, np.float32) for x in jax.tree.leaves(pure.state.params)]
+  moved_pure = np.mean(np.concatenate([(a != b).ravel() for a, b in zip(after, pure_before)]))
+  assert moved > 0.9 and moved_pure < 0.2, (moved, moved_pure)
+  for _, t in runs.values():
+    t.close()
+
+
 @pytest.fixture
 def fresh_gin():
   """main.main parses gin config into the process-global registry: clear it around each call."""
@@ -243,7 +271,8 @@ def test_sft_command_end_to_end(tmp_path, tok, tok_dir, trajs, fresh_gin):
     f"--gin_param=TRAJECTORIES='{data}'",
     f"--gin_param=TOKENIZER_DIR='{tok_dir}'",
     f"--gin_param=commands.sft.out_dir='{out}'",
-    "--gin_param=commands.MeshConfig.num_devices=2",
+    "--gin_param=sharding.MeshConfig.fsdp=2",  # x tensor 4 over the 8 test devices
+    "--gin_param=sharding.MeshConfig.tensor=-1",
     "--gin_param=sft.SFTConfig.steps=4",
     "--gin_param=sft.SFTConfig.row_len=256",
     "--gin_param=sft.SFTConfig.rows_per_batch=2",
