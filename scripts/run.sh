@@ -32,7 +32,9 @@ case "$cmd" in
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     "$VENV/bin/lint-imports"
-    exec "$VENV/bin/python" -m pytest -q "$@"
+    # Two workers (pytest-xdist): most end-to-end tests wait on their own subprocesses and
+    # servers, so two at once fit on two cores. ASEARCHER_TEST_WORKERS=0 runs in one process.
+    exec "$VENV/bin/python" -m pytest -q -n "${ASEARCHER_TEST_WORKERS:-2}" --dist loadgroup "$@"
     ;;
   *)
     exec "$VENV/bin/asearcher" "$cmd" "$@"

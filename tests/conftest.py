@@ -2,9 +2,16 @@
 
 XLA_FLAGS must be set before jax is imported anywhere: 8 fake CPU devices let mesh tests run the
 same sharded code a TPU slice would. Tests never touch the network.
+
+One persistent JAX compilation cache for the session, inherited by every subprocess the tests
+start (`asearcher train` lives, sweep points, launched roles): the same tiny programs compiled once
+instead of once per process, as an operator's restarts would (compiles over 1 s are cached).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +23,34 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _own_temp_dir(var: str, prefix: str) -> None:
+  """Points `var` at a fresh directory removed at exit, unless the user set it."""
+  if var in os.environ and os.environ.get(f"{var}_FROM_TESTS") != "1":
+    return
+  path = tempfile.mkdtemp(prefix=prefix)
+  os.environ[var], os.environ[f"{var}_FROM_TESTS"] = path, "1"
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
+# Set once in the controlling process, so pytest-xdist workers share the compilation cache (its
+# size bound turns on JAX's file lock for concurrent readers and writers).
+if os.environ.get("PYTEST_XDIST_WORKER") is None:
+  _own_temp_dir("JAX_COMPILATION_CACHE_DIR", "asearcher-test-jax-cache-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+# One ASEARCHER_HOME per test process (per xdist worker): the default index is never built by two
+# workers into one directory at once, and the user's ~/.cache is never touched.
+_own_temp_dir("ASEARCHER_HOME", "asearcher-test-home-")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """Slow end-to-end tests first (two xdist workers then finish together instead of one running
+  the longest test last), and every test of the one CI-size quickstart run on one worker."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept
+  for item in items:
+    if "tiny_run" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.xdist_group("tiny_run"))
 
 
 @pytest.fixture(scope="session")
