@@ -135,7 +135,7 @@ class DirectoryWeightPublisher:
   """Trainer side: writes each version into the weight store, then moves the LATEST pointer.
 
   On a multi-host trainer every process publishes (each writes its own shards, in the call).
-  With `config.background` and one process the writes run on a writer thread (module
+  With `config.background` and no jax.distributed the writes run on a writer thread (module
   docstring); call `close()` when done."""
 
   def __init__(
@@ -161,7 +161,10 @@ class DirectoryWeightPublisher:
     self._thread: threading.Thread | None = None
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
-    if not self.config.background or jax.process_count() > 1:
+    # Under jax.distributed (even one process, as `launch --backend local` starts it) Orbax
+    # coordinates every save through the distributed service; a save from a second thread beside
+    # the checkpoint's deadlocked there until its 5-minute timeout. So: in the call.
+    if not self.config.background or jax.distributed.is_initialized():
       self._raise_error()
       return self._publish_blocking(learner)
     t0 = time.perf_counter()

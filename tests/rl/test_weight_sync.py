@@ -280,14 +280,15 @@ def test_background_write_errors_surface_and_close_times_out(tmp_path):
     failing.close(timeout=60)
 
 
-def test_several_processes_publish_in_the_call(tmp_path, monkeypatch):
-  """A multi-process trainer keeps writing on its own thread (Orbax's multi-host save must
-  interleave with the train step's collectives the same way on every process)."""
+def test_a_trainer_under_jax_distributed_publishes_in_the_call(tmp_path, monkeypatch):
+  """Under jax.distributed (several processes, or one as the local launcher starts it) the
+  trainer writes in the call: Orbax coordinates saves through the distributed service, and a
+  weights save on a second thread beside a checkpoint save deadlocked there."""
   model = tiny_model()
   learner = make_learner(model)
   publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0])  # background=True
   publisher.write = lambda params, v: (publisher.started.append(v), publisher.gate.wait(30))
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
   call = threading.Thread(target=publisher.publish, args=(learner,), daemon=True)
   call.start()
   call.join(0.3)
