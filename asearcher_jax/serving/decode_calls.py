@@ -49,10 +49,14 @@ class CallPlan:
     return {s: min(self.steps, self.budget[s]) if multi else 1 for s, _ in self.live}
 
 
-def plan_call(slots: Sequence[Request | None], previous: InFlight | None, k: int) -> CallPlan:
+def plan_call(
+  slots: Sequence[Request | None], previous: InFlight | None, k: int, *, waiting: bool = False
+) -> CallPlan:
   """What to dispatch for the requests in `slots` while `previous` is still in flight. With k > 1
-  slots whose budget the call in flight exhausts sit out (that call ends their requests); with
-  k == 1 every request's slot steps, as it always has (its extra token is dropped)."""
+  slots whose budget the call in flight exhausts sit out (that call ends their requests), and the
+  call runs min(k, largest budget) steps, or min(k, smallest budget) when requests are `waiting`
+  for a slot, so that the first slot its budget frees is refilled at once; with k == 1 every
+  request's slot steps, as it always has (its extra token is dropped)."""
 
   def ahead(slot: int, r: Request) -> int:  # its tokens the call in flight produces
     mine = previous is not None and previous.owners[slot] is r
@@ -65,7 +69,8 @@ def plan_call(slots: Sequence[Request | None], previous: InFlight | None, k: int
   # Each live slot feeds its pending token at position len(prompt) + len(tokens) - 1, where tokens
   # include those the call in flight (not yet read back) produces for it.
   length = {s: len(r.prompt) + len(r.tokens) + ahead(s, r) for s, r in live}
-  n = min(k, max((budget[s] for s, _ in live), default=0)) if k > 1 else 1
+  budgets = [budget[s] for s, _ in live] or [0]
+  n = min(k, min(budgets) if waiting else max(budgets)) if k > 1 else 1
   return CallPlan(live=live, length=length, budget=budget, steps=n)
 
 

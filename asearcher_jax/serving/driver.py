@@ -423,7 +423,9 @@ class Driver:
     previous, self._in_flight = self._in_flight, None
     t0 = time.perf_counter()
     k = self.engine.cfg.decode_steps_per_call
-    plan = plan_call(self._slots, previous, k)
+    with self._lock:
+      waiting = bool(self._queue)
+    plan = plan_call(self._slots, previous, k, waiting=waiting)
     if plan.live:
       mode = mode_for(r.sampling for _, r in plan.live)
       top_n = steps.TOP_N if any(r.sampling.top_logprobs for _, r in plan.live) else 0  # RL: 0
