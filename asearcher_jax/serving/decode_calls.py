@@ -42,8 +42,10 @@ class CallPlan:
 
   @property
   def max_length(self) -> int:
-    """An upper bound on every live slot's length after its last step in the call."""
-    return max(self.length[s] + min(self.steps, self.budget[s]) - 1 for s, _ in self.live)
+    """An upper bound on every live slot's length after its last step in the call (a slot
+    steps at least once: with one step per call, a slot whose budget the call in flight
+    exhausts still steps, and its write must stay inside the window)."""
+    return max(self.length[s] + min(self.steps, max(self.budget[s], 1)) - 1 for s, _ in self.live)
 
   def emits(self, multi: bool) -> dict[int, int]:
     return {s: min(self.steps, self.budget[s]) if multi else 1 for s, _ in self.live}
