@@ -56,9 +56,10 @@ def plan_call(
 ) -> CallPlan:
   """What to dispatch for the requests in `slots` while `previous` is still in flight. With k > 1
   slots whose budget the call in flight exhausts sit out (that call ends their requests), and the
-  call runs min(k, largest budget) steps, or min(k, smallest budget) when requests are `waiting`
-  for a slot, so that the first slot its budget frees is refilled at once; with k == 1 every
-  request's slot steps, as it always has (its extra token is dropped)."""
+  call runs min(k, largest budget) steps; when requests are `waiting` for a slot, min(k, smallest
+  budget), or one step while some slot does not decode (free, parked, or ended by the call in
+  flight), so that admissions are not held back by a long call; with k == 1 every request's slot
+  steps, as it always has (its extra token is dropped)."""
 
   def ahead(slot: int, r: Request) -> int:  # its tokens the call in flight produces
     mine = previous is not None and previous.owners[slot] is r
@@ -73,6 +74,8 @@ def plan_call(
   length = {s: len(r.prompt) + len(r.tokens) + ahead(s, r) for s, r in live}
   budgets = [budget[s] for s, _ in live] or [0]
   n = min(k, min(budgets) if waiting else max(budgets)) if k > 1 else 1
+  if waiting and len(live) < len(slots):  # a slot is free or about to be: refill it next call
+    n = min(n, 1)
   return CallPlan(live=live, length=length, budget=budget, steps=n)
 
 
