@@ -1,14 +1,18 @@
 """Decode throughput: our continuous-batching driver vs transformers `generate` vs static batching.
 
 Runs with no arguments, on the same random qwen2-tiny weights (real Qwen vocabulary) and prompts:
-  (i)   our RL driver (continuous batching; batch = concurrent requests = slots),
+  (i)   our RL driver (continuous batching; batch = concurrent requests = slots), with the new
+        engine settings (`NEW`: several decode steps per call) and, at batch 32 and in the long
+        tail, the old ones (`OLD`: one step per call) side by side,
   (ii)  Hugging Face transformers `generate` (PyTorch CPU, greedy, same weights via hf_io.save),
   (iii) our engine with static batching (a batch is admitted together and runs until its longest
-        member finishes),
+        member finishes; same engine settings as the driver),
 at batch 1, 8 and 32 with fixed output lengths, plus a long-tail workload (output lengths from a
 log-normal clipped to a 100x spread) where continuous batching refills slots as requests finish.
-Also the cost of a weight update (swap + re-prefill of every in-flight slot). Prints one JSON
-object as its last line.
+Also the cost of a weight update (swap + re-prefill of every in-flight slot). Every figure is
+measured REPS times, the repetitions interleaved (rep 1 of every contender, then rep 2, ...), and
+reported as median with min and max; a ratio is taken per repetition (both sides run back to
+back) and summarised the same way. Prints one JSON object as its last line.
 
 Logprobs, like for like: plain `generate` computes none, so the batch rows compare it with our
 driver asked for none (`SamplingParams(logprobs=False)`: `vs_transformers`), and `generate` with a
@@ -46,6 +50,9 @@ GREEDY_NO_LOGPROBS = SamplingParams(temperature=0.0, logprobs=False)
 PROMPT_LEN = 32
 NEW_TOKENS = 64
 MAX_SEQ = 512
+REPS = 3
+# Engine settings compared: decode steps per generate call (EngineConfig.decode_steps_per_call).
+NEW, OLD = 8, 1
 
 
 VOCAB = 8192
@@ -56,13 +63,20 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
   return [rng.integers(100, VOCAB, PROMPT_LEN).tolist() for _ in range(n)]
 
 
-def build_engine(model, tok, slots: int) -> Engine:
-  cfg = EngineConfig(max_slots=slots, max_seq_len=MAX_SEQ, prefill_buckets=(32, 64, 128, 256))
+def build_engine(model, tok, slots: int, steps: int = NEW) -> Engine:
+  cfg = EngineConfig(max_slots=slots, max_seq_len=MAX_SEQ, prefill_buckets=(32, 64, 128, 256),
+                     decode_steps_per_call=steps)  # fmt: skip
   return Engine.from_model(model, tok, cfg)
 
 
 def warm(engine: Engine) -> None:
-  engine.warmup()
+  engine.warmup(extend=False)  # random prompts: no prefix ever matches, no suffix prefill runs
+
+
+def spread(values) -> dict:
+  """Median, min and max of a figure's repetitions."""
+  v = [float(x) for x in values]
+  return {"median": round(float(np.median(v)), 2), "min": round(min(v), 2), "max": round(max(v), 2)}
 
 
 def run_driver(
@@ -84,11 +98,19 @@ def run_driver(
   return secs, sum(len(r.tokens) for r in results), driver
 
 
+def tok_s(engine: Engine, prompts, lengths, sampling: SamplingParams) -> float:
+  secs, n, driver = run_driver(engine, prompts, lengths, sampling)
+  driver.close()
+  return n / secs
+
+
 def run_static(engine: Engine, prompts, lengths, mode: str = "greedy") -> tuple[float, int]:
-  """Static batching on the same engine: admit `slots` requests, decode until the longest ends.
-  mode: "greedy" computes logprobs, "argmax" does not."""
+  """Static batching on the same engine: admit `slots` requests, decode until the longest ends
+  (in calls of the engine's decode_steps_per_call steps, as the driver does). mode: "greedy"
+  computes logprobs, "argmax" does not."""
   params = engine.load_params()
   slots = engine.max_concurrent_decodes
+  k = engine.cfg.decode_steps_per_call
   total = 0
   t = time.perf_counter()
   for i in range(0, len(prompts), slots):
@@ -99,13 +121,22 @@ def run_static(engine: Engine, prompts, lengths, mode: str = "greedy") -> tuple[
       state = engine.insert(
         engine.prefill(params=params, padded_tokens=padded, true_length=n), state, slot
       )
-    done = [1] * len(batch)  # the prefill produced each request's first token
-    while any(d < w for d, w in zip(done, want, strict=True)):
+    done = 1  # the prefill produced each request's first token
+    while done < max(want):
       # The same fast paths the driver uses: greedy sampler, attention window of the longest row.
-      longest = max(len(p) for p in batch) + max(done)
-      state, res = engine.generate(params, state, max_length=longest, mode=mode)
-      np.asarray(res.data)  # the host copy a server needs every step
-      done = [d + 1 for d in done]
+      longest = max(len(p) for p in batch) + done
+      if k > 1:
+        n = min(k, max(want) - done)
+        state, res, _ = engine.generate_chunk(
+          params, state, range(len(batch)), [n] * len(batch), [()] * len(batch),
+          max_length=longest + n - 1, mode=mode,
+        )  # fmt: skip
+        np.asarray(res)  # the host copy a server needs every call
+      else:
+        n = 1
+        state, res = engine.generate(params, state, max_length=longest, mode=mode)
+        np.asarray(res.data)
+      done += n
     total += sum(int(w) for w in want)
   return time.perf_counter() - t, total
 
@@ -166,7 +197,8 @@ def main() -> None:
   hf_dir = tempfile.mkdtemp(prefix="decode_bench_")
   hf_io.save(model, hf_dir)
   print(f"model: {name} ({cfg.num_params() / 1e6:.1f}M params), prompt {PROMPT_LEN}, "
-        f"new tokens {NEW_TOKENS}, {args.dtype}, jax on {jax.devices()[0].device_kind}", flush=True)  # fmt: skip
+        f"new tokens {NEW_TOKENS}, {args.dtype}, jax on {jax.devices()[0].device_kind}, "
+        f"decode steps per call new {NEW} / old {OLD}, {REPS} interleaved repetitions", flush=True)  # fmt: skip
   out: dict = {}
   for batch in (1, 8, 32):
     prompts = make_prompts(max(batch, 8) if batch > 1 else 4, seed=batch)
@@ -174,31 +206,40 @@ def main() -> None:
     lengths = [NEW_TOKENS] * len(prompts)
     engine = build_engine(model, tok, batch)
     warm(engine)
+    old = None
+    if batch == 32:
+      old = build_engine(model, tok, batch, OLD)
+      warm(old)
     # One untimed pass of each of our paths first, as transformers gets one (its first batch):
     # the first pass through a fresh driver runs slower (2,080 vs 2,280 tok/s at batch 32 here).
-    for sampling in (GREEDY_NO_LOGPROBS, GREEDY):
-      run_driver(engine, prompts, lengths, sampling)[2].close()
+    for e in (engine, old) if old else (engine,):
+      for sampling in (GREEDY_NO_LOGPROBS, GREEDY):
+        tok_s(e, prompts, lengths, sampling)
     run_static(engine, prompts, lengths, "argmax")
-    d_s, d_tok, driver = run_driver(engine, prompts, lengths, GREEDY_NO_LOGPROBS)
-    driver.close()
-    dl_s, dl_tok, driver = run_driver(engine, prompts, lengths, GREEDY)
-    driver.close()
-    s_s, s_tok = run_static(engine, prompts, lengths, "argmax")
-    h_s, h_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch)
-    hl_s, hl_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch, logprobs=True)
-    row = {
-      "driver_tok_s": round(d_tok / d_s, 1),
-      "static_tok_s": round(s_tok / s_s, 1),
-      "transformers_tok_s": round(h_tok / h_s, 1),
-      "driver_logprobs_tok_s": round(dl_tok / dl_s, 1),
-      "transformers_logprobs_tok_s": round(hl_tok / hl_s, 1),
-    }
-    row["vs_transformers"] = round(row["driver_tok_s"] / row["transformers_tok_s"], 2)
-    row["vs_transformers_logprobs"] = round(
-      row["driver_logprobs_tok_s"] / row["transformers_logprobs_tok_s"], 2
-    )
+    reps = []
+    for _ in range(REPS):
+      r = {
+        "driver_tok_s": tok_s(engine, prompts, lengths, GREEDY_NO_LOGPROBS),
+        "driver_logprobs_tok_s": tok_s(engine, prompts, lengths, GREEDY),
+      }
+      if old is not None:
+        r["old_driver_tok_s"] = tok_s(old, prompts, lengths, GREEDY_NO_LOGPROBS)
+        r["old_driver_logprobs_tok_s"] = tok_s(old, prompts, lengths, GREEDY)
+        r["new_vs_old"] = r["driver_tok_s"] / r["old_driver_tok_s"]
+        r["new_vs_old_logprobs"] = r["driver_logprobs_tok_s"] / r["old_driver_logprobs_tok_s"]
+      s_s, s_tok = run_static(engine, prompts, lengths, "argmax")
+      h_s, h_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch)
+      hl_s, hl_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch, logprobs=True)
+      r["static_tok_s"] = s_tok / s_s
+      r["transformers_tok_s"] = h_tok / h_s
+      r["transformers_logprobs_tok_s"] = hl_tok / hl_s
+      r["vs_transformers"] = r["driver_tok_s"] / r["transformers_tok_s"]
+      r["vs_transformers_logprobs"] = r["driver_logprobs_tok_s"] / r["transformers_logprobs_tok_s"]
+      reps.append(r)
+    row = {key: spread([r[key] for r in reps]) for key in reps[0]}
     out[f"b{batch}"] = row
-    print(f"batch {batch:>2}: {row}", flush=True)
+    print(f"batch {batch:>2}: " + ", ".join(f"{k} {v['median']} [{v['min']}, {v['max']}]"
+                                           for k, v in row.items()), flush=True)  # fmt: skip
 
   # Long tail: 512 requests (an RL batch is many times the slot count), lengths log-normal,
   # clipped to [4, 400] (a 100x spread), 16 slots. With few requests per slot the single longest
@@ -206,19 +247,27 @@ def main() -> None:
   rng = np.random.default_rng(1)
   lengths = np.clip(np.round(np.exp(rng.normal(np.log(20), 1.2, 512))), 4, 400).astype(int)
   prompts = make_prompts(512, seed=7)
-  engine = build_engine(model, tok, 16)
+  engine, old = build_engine(model, tok, 16), build_engine(model, tok, 16, OLD)
   warm(engine)
-  d_s, d_tok, driver = run_driver(engine, prompts, lengths)
-  s_s, s_tok = run_static(engine, prompts, lengths)
-  longtail = {
-    "driver_tok_s": round(d_tok / d_s, 1),
-    "static_tok_s": round(s_tok / s_s, 1),
-    "length_min_max": [int(lengths.min()), int(lengths.max())],
-    "requests": len(lengths),
-  }
+  warm(old)
+  reps = []
+  for _ in range(REPS):
+    d_s, d_tok, driver = run_driver(engine, prompts, lengths)
+    driver.close()
+    o_s, o_tok, old_driver = run_driver(old, prompts, lengths)
+    old_driver.close()
+    s_s, s_tok = run_static(engine, prompts, lengths)
+    r = {"driver_tok_s": d_tok / d_s, "old_driver_tok_s": o_tok / o_s, "static_tok_s": s_tok / s_s}
+    r["vs_static"] = r["driver_tok_s"] / r["static_tok_s"]
+    r["new_vs_old"] = r["driver_tok_s"] / r["old_driver_tok_s"]
+    reps.append(r)
+  longtail = {key: spread([r[key] for r in reps]) for key in reps[0]}
+  longtail.update(length_min_max=[int(lengths.min()), int(lengths.max())], requests=len(lengths))
   print(f"long tail: {longtail}", flush=True)
 
-  # Weight update cost with every slot in flight.
+  # Weight update cost with every slot in flight (new engine settings).
+  driver = Driver(engine)
+
   async def update_under_load():
     tasks = [
       asyncio.create_task(driver.generate(p, GREEDY, 300, stop_token_ids=()))
@@ -229,7 +278,7 @@ def main() -> None:
     await asyncio.sleep(0.2)
     new = nnx.state(transformer.Transformer(cfg, rngs=nnx.Rngs(1)))
     new = jax.tree.map(jnp.asarray, new)
-    ms = [await asyncio.to_thread(driver.update_params, new, v) for v in (1, 2, 3)]
+    ms = [await asyncio.to_thread(driver.update_params, new, v) for v in range(1, REPS + 1)]
     for t in tasks:
       t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -238,13 +287,18 @@ def main() -> None:
   update_ms = asyncio.run(update_under_load())
   driver.close()
   print(f"weight update with 16 in-flight slots: {[round(m, 1) for m in update_ms]} ms", flush=True)
+  b32 = out["b32"]
   result = {
     "device": jax.devices()[0].device_kind,
     "dtype": args.dtype,
-    "vs_transformers_b32": out["b32"]["vs_transformers"],
-    "vs_transformers_b32_logprobs": out["b32"]["vs_transformers_logprobs"],
-    "vs_static_longtail": round(longtail["driver_tok_s"] / longtail["static_tok_s"], 2),
-    "update_ms": round(float(np.median(update_ms)), 1),
+    "decode_steps_per_call": {"new": NEW, "old": OLD},
+    "reps": REPS,
+    "vs_transformers_b32": b32["vs_transformers"]["median"],
+    "vs_transformers_b32_logprobs": b32["vs_transformers_logprobs"]["median"],
+    "vs_static_longtail": longtail["vs_static"]["median"],
+    "new_vs_old_b32": b32["new_vs_old"]["median"],
+    "new_vs_old_b32_logprobs": b32["new_vs_old_logprobs"]["median"],
+    "update_ms": spread(update_ms),
     "batches": out,
     "longtail": longtail,
   }

@@ -15,7 +15,10 @@ next admissions and the next dispatch. A request that stops at step t has one mo
 for it at t+1; that token is never recorded (each step remembers which request owned each slot
 when it was dispatched, and a slot's token counts only if the same request still owns it), so
 results are exactly those of a lock-step loop. A weight update first drains the step in flight,
-so re-prefill sees every token produced under the old weights.
+so re-prefill sees every token produced under the old weights. With
+`EngineConfig.decode_steps_per_call` = k > 1 a "step" is one call of up to k decode steps, with
+stop ids and budgets applied on the device (decode_calls.py); updates, aborts and admissions
+land between calls, up to k tokens later.
 
 Prefix reuse (an agent's next turn prefills only its new suffix: prefix_cache.py) and what a
 weight update does to keys/values ("recompute" as AReaL, or "keep" as PipelineRL, exact logprobs
@@ -41,8 +44,8 @@ import numpy as np
 from flax import nnx
 
 from asearcher_jax.serving import engine_steps as steps
+from asearcher_jax.serving.decode_calls import InFlight, plan_call, read_back
 from asearcher_jax.serving.engine import Engine
-from asearcher_jax.serving.jetstream import engine_api
 from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.request import Request
 from asearcher_jax.serving.sampling import mode_for
@@ -87,14 +90,6 @@ class DriverConfig:
       raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {self.kv_on_update!r}")
 
 
-@dataclasses.dataclass
-class _InFlight:
-  """A dispatched generate step whose tokens have not been read back yet."""
-
-  result: engine_api.ResultTokens  # device arrays; reading them waits for the step
-  owners: list[Request | None]  # the request in each slot when the step was dispatched
-
-
 class Driver:
   """Serves `generate` requests through the engine's slots on a dedicated thread."""
 
@@ -106,7 +101,7 @@ class Driver:
     self._state: steps.DecodeState = engine.init_decode_state()
     self._slots: list[Request | None] = [None] * engine.max_concurrent_decodes
     self._prefixes = PrefixCache(enabled=cfg.prefix_reuse)  # engine thread only
-    self._in_flight: _InFlight | None = None  # engine thread only
+    self._in_flight: InFlight | None = None  # engine thread only
     self._lock = threading.Lock()  # guards _queue, _by_id
     self._queue: collections.deque[Request] = collections.deque()
     self._by_id: dict[str, Request] = {}
@@ -424,30 +419,34 @@ class Driver:
       self._slots[slot] = req
 
   def _step(self) -> None:
-    """Dispatches the next step for the live slots, then records the previous step's tokens."""
+    """Dispatches the next call for the live slots, then records the previous call's tokens."""
     previous, self._in_flight = self._in_flight, None
     t0 = time.perf_counter()
-    live = [(slot, r) for slot, r in enumerate(self._slots) if r is not None]
-    if live:
-      # Each live slot feeds its pending token at position len(prompt) + len(tokens) - 1, where
-      # tokens include the one the previous step (not yet read back) produces for it.
-      def length(slot: int, r: Request) -> int:
-        ahead = previous is not None and previous.owners[slot] is r
-        return len(r.prompt) + len(r.tokens) + ahead
-
-      longest = max(length(slot, r) for slot, r in live)
-      mode = mode_for(r.sampling for _, r in live)
-      top_n = steps.TOP_N if any(r.sampling.top_logprobs for _, r in live) else 0  # RL: 0
+    k = self.engine.cfg.decode_steps_per_call
+    with self._lock:
+      waiting = bool(self._queue)
+    plan = plan_call(self._slots, previous, k, waiting=waiting)
+    if plan.live:
+      mode = mode_for(r.sampling for _, r in plan.live)
+      top_n = steps.TOP_N if any(r.sampling.top_logprobs for _, r in plan.live) else 0  # RL: 0
+      slots, rows = [s for s, _ in plan.live], None
       try:
-        self._state, result = self.engine.generate(self._params, self._state, max_length=longest,
-                                                   mode=mode, live=[s for s, _ in live],
-                                                   top_n=top_n)  # fmt: skip
+        if k > 1:
+          self._state, result, rows = self.engine.generate_chunk(
+            self._params, self._state, slots, [plan.budget[s] for s in slots],
+            [r.stop_ids for _, r in plan.live], max_length=plan.max_length, mode=mode,
+            top_n=top_n,
+          )  # fmt: skip
+        else:
+          self._state, result = self.engine.generate(self._params, self._state,
+                                                     max_length=plan.max_length, mode=mode,
+                                                     live=slots, top_n=top_n)  # fmt: skip
       except Exception as e:
         self._generate_failed(e)
         return
-      self._in_flight = _InFlight(result=result, owners=list(self._slots))
-      self.metrics["decode_steps"] += 1
-      self.metrics["decode_rows"] += self.engine.rows_for(len(live))
+      self._in_flight = InFlight(result, list(self._slots), plan.emits(k > 1), rows)
+      self.metrics["decode_steps"] += plan.steps
+      self.metrics["decode_rows"] += self.engine.rows_for(len(slots)) * plan.steps
     if previous is not None:
       self._collect(previous)
     self.metrics["decode_s"] += time.perf_counter() - t0
@@ -461,27 +460,27 @@ class Driver:
       self._collect(previous)
       self.metrics["decode_s"] += time.perf_counter() - t0
 
-  def _collect(self, step: _InFlight) -> None:
+  def _collect(self, call: InFlight) -> None:
     try:
-      data = np.asarray(step.result.data)  # waits for the step
-    except Exception as e:  # a failure inside the step surfaces here
+      data, rows, logprobs, tops = read_back(call)
+    except Exception as e:  # a failure inside the call surfaces here
       self._generate_failed(e)
       return
-    logprobs = data[:, steps.LOGPROB].astype(np.int32).view(np.float32)
-    top = steps.result_top(data)
-    for slot, req in enumerate(step.owners):
-      # A request that finished or was aborted after this step was dispatched no longer owns
-      # its slot (it may hold a new request already): the token computed for it is dropped.
-      if req is None or self._slots[slot] is not req:
-        continue
-      self.metrics["decode_tokens"] += 1
-      token, version = int(data[slot, steps.TOKEN]), int(data[slot, steps.VERSION])
-      alternatives = None if top is None else (top[0][slot], top[1][slot])
-      reason = self._append(req, token, float(logprobs[slot]), version, alternatives)
-      if reason is not None:
-        self._slots[slot] = None  # before the caller can see the result: stats never lag it
-        self._park(slot, req)
-        self._finish(req, reason)
+    for j, slot in enumerate(rows):
+      req = call.owners[slot]
+      for i, top in enumerate(tops):
+        # A request that finished or was aborted after this call was dispatched no longer owns
+        # its slot (it may hold a new request already): the tokens computed for it are dropped.
+        if req is None or self._slots[slot] is not req or not data[i, j, steps.VALID]:
+          break
+        self.metrics["decode_tokens"] += 1
+        token, version = int(data[i, j, steps.TOKEN]), int(data[i, j, steps.VERSION])
+        alternatives = None if top is None else (top[0][j], top[1][j])
+        reason = self._append(req, token, float(logprobs[i, j]), version, alternatives)
+        if reason is not None:
+          self._slots[slot] = None  # before the caller can see the result: stats never lag it
+          self._park(slot, req)
+          self._finish(req, reason)
 
   def _generate_failed(self, e: Exception) -> None:
     log.exception("generate step failed")

@@ -17,7 +17,7 @@ import bisect
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,13 @@ class EngineConfig:
     engine often decodes a handful of live slots (measured: 7 of 48 on average in
     benchmarks/async_vs_sync.py), and a full step costs 4-7x a step over 8 rows. Each size is
     one more compiled decode step per window and mode; () always decodes every slot.
+  decode_steps_per_call: most decode steps one generate call runs (`generate_chunk`, a loop on
+    the device with stop ids and per-slot token budgets applied inside): one dispatch and one host
+    copy per call instead of per token. Weight updates, aborts and admissions wait for the call
+    to end, so they land up to this many tokens later. 1 is one step per call (`generate`), the
+    default: on 2 CPU cores (2026-11-25, benchmarks/decode.py) 8 gave 1.07-1.11x at batch 1-8,
+    1.0x at 32 and 0.9x on the long tail, since the driver's one-call-ahead loop already hides
+    the host's work there; it is for accelerators, where a step is short next to a dispatch.
   mesh: the engine's devices (tensor parallelism over heads, MLP and KV cache; see mesh.py).
   """
 
@@ -67,11 +74,14 @@ class EngineConfig:
   prefill_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
   suffix_buckets: tuple[int, ...] = (32, 64, 128, 256)
   decode_rows: tuple[int, ...] = (8, 16)
+  decode_steps_per_call: int = 1
   mesh: ServingMeshConfig = dataclasses.field(default_factory=ServingMeshConfig)
 
   def __post_init__(self):
     if self.max_slots < 1 or self.max_seq_len < 2:
       raise ValueError("max_slots must be >= 1 and max_seq_len >= 2")
+    if self.decode_steps_per_call < 1:
+      raise ValueError(f"decode_steps_per_call must be >= 1, got {self.decode_steps_per_call}")
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -135,8 +145,9 @@ class Engine(EngineContract):
     extend: bool = True,
   ) -> float:
     """Compiles prefill (every bucket x admission chunk x mode), insert and every decode window
-    now, so that no request pays a compile later; returns the seconds taken. "truncate"
-    (top-p/top-k) compiles on first use unless listed in `modes`. extend: also every suffix
+    (one step, and the multi-step call when decode_steps_per_call > 1) now, so that no request
+    pays a compile later; returns the seconds taken. "truncate" (top-p/top-k) compiles on first
+    use unless listed in `modes`. extend: also every suffix
     prefill shape (suffix bucket x window x mode) that prefix reuse uses."""
     t0 = time.perf_counter()
     params, state = self.load_params(), self.init_decode_state()
@@ -167,6 +178,10 @@ class Engine(EngineContract):
         for size in self.cfg.row_buckets:
           live = range(size) if size < self.cfg.max_slots else None
           state, result = self.generate(params, state, max_length=window, mode=mode, live=live)
+          if self.cfg.decode_steps_per_call > 1:
+            slots = list(live or range(size))
+            state, *_ = self.generate_chunk(params, state, slots, [1] * size, [()] * size,
+                                            max_length=window, mode=mode)  # fmt: skip
     np.asarray(result.data)
     return time.perf_counter() - t0
 
@@ -295,6 +310,52 @@ class Engine(EngineContract):
     return steps.GENERATE_ROWS(
       self._graphdef, window, mode, params, decode_state, rows, mask, top_n=top_n
     )
+
+  def generate_chunk(
+    self,
+    params: VersionedParams,
+    decode_state: DecodeState,
+    live: Sequence[int],
+    budgets: Sequence[int],
+    stop_ids: Sequence[Collection[int]],
+    *,
+    max_length: int,
+    mode: SamplingMode = "truncate",
+    top_n: int = 0,
+  ) -> tuple[DecodeState, jax.Array, np.ndarray]:
+    """Up to max(budgets) (at most `decode_steps_per_call`) tokens for each slot in `live`, in
+    one call: slot live[i] emits at most budgets[i] tokens and stops after any of stop_ids[i].
+    max_length: an upper bound on every live slot's length after its last step. Returns (state,
+    the per-step result [steps, R, columns] on device (`steps.DECODE_CHUNK`), the slot of each
+    of its R rows): tokens up to a row's first invalid one are that slot's, in order."""
+    k = self.cfg.decode_steps_per_call
+    n = min(k, max(budgets, default=0))
+    if n < 1 or len(budgets) != len(live) or len(stop_ids) != len(live):
+      raise ValueError(f"bad decode chunk: {len(live)} slots, budgets {list(budgets)}")
+    size = self.rows_for(len(live))
+    if size == self.cfg.max_slots:  # every slot, in order: the step needs no gather
+      rows, mask = np.arange(size, dtype=np.int32), np.isin(np.arange(size), list(live))
+    else:
+      rows, mask = self._row_plan(live, size)
+    budget = dict(zip((int(s) for s in live), budgets, strict=True))
+    # Stop-id table width: a power of two (>= 4), so compiles stay few whatever the requests ask.
+    width = max(4, 1 << (max((len(s) for s in stop_ids), default=0) - 1).bit_length())
+    table = np.full((size, width), -1, np.int32)
+    stops = dict(zip((int(s) for s in live), stop_ids, strict=True))
+    for i, slot in enumerate(rows.tolist()):
+      table[i, : len(stops.get(slot, ()))] = sorted(stops.get(slot, ()))
+    plan = steps.ChunkPlan(
+      rows=jnp.asarray(rows),
+      live=jnp.asarray(mask),
+      budget=jnp.asarray([budget.get(s, 0) for s in rows.tolist()], jnp.int32),
+      stop_ids=jnp.asarray(table),
+      steps=jnp.asarray(n, jnp.int32),
+    )
+    window = self.bucket_for(max_length)
+    state, out = steps.DECODE_CHUNK(
+      self._graphdef, window, mode, k, params, decode_state, plan, top_n=top_n
+    )
+    return state, out, rows
 
   def rows_for(self, n_live: int) -> int:
     """The decode-step size for n_live live slots."""

@@ -2,7 +2,7 @@
 
 `Engine` (engine.py) is the thin stateful wrapper the JetStream contract and the driver call; everything
 that runs on the device is here, at module level (prefill, insert, one decode step over every slot or
-over a few rows, the two halves of a suffix prefill, release). Every generate step writes, per slot,
+over a few rows, several decode steps in one call, the two halves of a suffix prefill, release). Every generate step writes, per slot,
 the sampled token, its logprob under the sampling distribution and the policy version of the weights
 that produced it into one packed `ResultTokens` array (columns below), so nothing else crosses back
 to the host per step.
@@ -230,6 +230,72 @@ def _generate_rows(
   return new_state, result
 
 
+class ChunkPlan(NamedTuple):
+  """What one multi-step decode call runs (a pytree of device arrays; `_decode_chunk`)."""
+
+  rows: jax.Array  # [R] distinct slots computed; R == S means every slot, in order
+  live: jax.Array  # [R] bool: rows that decode (the rest pad the call to R)
+  budget: jax.Array  # [R] int32: most tokens each row may emit in this call
+  stop_ids: jax.Array  # [R, M] int32: token ids that end each row's request (-1 pads)
+  steps: jax.Array  # int32 scalar: steps to run, at most the static `max_steps`
+
+
+def _decode_chunk(graphdef, attend_len: int, mode: SamplingMode, max_steps: int,
+                  params: VersionedParams, state: DecodeState, plan: ChunkPlan, *,
+                  top_n: int = 0):  # fmt: skip
+  """Up to plan.steps decode steps in one call (a while_loop; one dispatch and one host copy
+  instead of one per token). Each step is exactly `_generate_rows`' (same sampling keys and
+  positions, so the same tokens and logprobs); a row stops emitting once it samples one of its
+  stop ids or has emitted its budget, and the loop ends early when no row emits. A row stopped
+  by a stop id leaves the call inactive (no later call advances it before the host parks it).
+  Returns (state, [max_steps, R, COLUMNS + 2 * top_n] int32): per step and row, the
+  `ResultTokens` columns, VALID = the row emitted that token."""
+  model: Transformer = nnx.merge(graphdef, params.state)
+  rows, n_slots = plan.rows, state.lengths.shape[0]
+  every = rows.shape[0] == n_slots  # static: no gather, row i is slot i
+  last = state.cache.max_len - 1
+  run = state.active[rows] & plan.live & (plan.budget > 0)
+  keys, temp = state.keys[rows], state.temperature[rows]
+  top_p, top_k = state.top_p[rows], state.top_k[rows]
+  version = jnp.broadcast_to(params.version, rows.shape).astype(jnp.int32)
+  out = jnp.zeros((max_steps, rows.shape[0], COLUMNS + 2 * top_n), jnp.int32)
+
+  def emitting(i, done):
+    return ~done & (i < plan.budget)
+
+  def cond(carry):
+    i, *_, done, _, _ = carry
+    return (i < plan.steps) & jnp.any(emitting(i, done))
+
+  def body(carry):
+    i, cache, lengths, tok, done, stopped, out = carry
+    go = emitting(i, done)
+    start = jnp.where(go, jnp.minimum(lengths, attend_len - 1), last)
+    logits, cache = model.extend(
+      tok[:, None], start, cache, attend_len, rows=None if every else rows
+    )
+    new, lp = sample(logits[:, 0], keys, start, temp, top_p, top_k, mode)
+    lengths = lengths + go.astype(jnp.int32)
+    tok = jnp.where(go, new, tok)
+    hit = go & jnp.any(new[:, None] == plan.stop_ids, axis=1)
+    lp_bits = jax.lax.bitcast_convert_type(lp.astype(jnp.float32), jnp.int32)
+    step = jnp.stack([new, go.astype(jnp.int32), lengths, lp_bits, version], axis=1)
+    if top_n:
+      step = jnp.concatenate([step, _top_columns(logits[:, 0], temp, top_n)], axis=1)
+    return i + 1, cache, lengths, tok, done | hit | ~go, stopped | hit, out.at[i].set(step)
+
+  carry = (jnp.int32(0), state.cache, state.lengths[rows], state.next_tokens[rows], ~run,
+           jnp.zeros_like(run), out)  # fmt: skip
+  _, cache, lengths, tok, _, stopped, out = jax.lax.while_loop(cond, body, carry)
+  new_state = state.replace(
+    cache=cache,
+    lengths=state.lengths.at[rows].set(lengths),
+    next_tokens=state.next_tokens.at[rows].set(tok),
+    active=state.active.at[rows].set(state.active[rows] & ~stopped),
+  )
+  return new_state, out
+
+
 class RowSampling(NamedTuple):
   """One slot's sampling arrays (a pytree): PRNG key, temperature, top-p, top-k."""
 
@@ -323,6 +389,9 @@ INSERT_MANY = jax.jit(_insert_many, donate_argnums=1)
 GENERATE = jax.jit(_generate, static_argnums=(0, 1, 2), static_argnames="top_n", donate_argnums=4)
 GENERATE_ROWS = jax.jit(
   _generate_rows, static_argnums=(0, 1, 2), static_argnames="top_n", donate_argnums=4
+)
+DECODE_CHUNK = jax.jit(
+  _decode_chunk, static_argnums=(0, 1, 2, 3), static_argnames="top_n", donate_argnums=5
 )
 EXTEND_ROW = jax.jit(_extend_row, static_argnums=(0, 1, 2), static_argnames="top_n")
 PUT_ROW = jax.jit(_put_row, donate_argnums=0)

@@ -12,7 +12,7 @@ from flax import nnx
 
 from asearcher_jax.model import transformer
 from asearcher_jax.serving.types import GenerationClient, SamplingParams
-from tests.serving.conftest import VOCAB, tiny_model
+from tests.serving.conftest import BOTH_STEPS, VOCAB, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 NO_STOP: tuple[int, ...] = ()
@@ -49,6 +49,7 @@ PROMPTS = [
 ]
 
 
+@BOTH_STEPS
 async def test_greedy_equals_full_forward_in_parallel_slots(make_driver):
   model = tiny_model(seed=1)
   driver = make_driver(model, slots=3)  # 4 prompts through 3 slots: one waits for a free slot
@@ -91,6 +92,7 @@ async def test_greedy_without_logprobs_same_tokens_nan_logprobs(make_driver):
   )
 
 
+@BOTH_STEPS
 async def test_decode_over_live_rows_only_matches_full_steps(make_driver):
   """With decode_rows, a step computes only enough gathered rows for the live slots; tokens,
   logprobs and the untouched slots must be exactly what full steps give."""
@@ -164,6 +166,7 @@ def test_gathered_step_leaves_other_slots_alone(tokenizer):
     engine.generate(params, state, max_length=8, mode="greedy", live=[0, 9])
 
 
+@BOTH_STEPS
 async def test_sampled_logprobs_equal_learner_and_seeds_reproduce(make_driver):
   model = tiny_model(seed=2)
   driver = make_driver(model, slots=4)
@@ -188,6 +191,7 @@ async def test_sampled_logprobs_equal_learner_and_seeds_reproduce(make_driver):
   assert c.tokens != a.tokens
 
 
+@BOTH_STEPS
 async def test_top_k_and_top_p_restrict_the_draw(make_driver):
   model = tiny_model(seed=3)
   driver = make_driver(model, slots=4)
@@ -224,6 +228,7 @@ async def swap_after(driver, new_model, n_before: int) -> None:
   await asyncio.wrap_future(driver.submit_update(nnx.state(new_model), 1))
 
 
+@BOTH_STEPS
 async def test_weight_swap_mid_generation(make_driver):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   driver = make_driver(old, slots=2)
@@ -243,6 +248,7 @@ async def test_weight_swap_mid_generation(make_driver):
   assert driver.stats()["last_update_ms"] > 0 and driver.version == 1
 
 
+@BOTH_STEPS
 async def test_stop_strings_stay_in_output_and_stop_tokens(make_driver, tokenizer):
   model = tiny_model(seed=6)
   driver = make_driver(model, slots=2)

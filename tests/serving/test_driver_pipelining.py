@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 from flax import nnx
 
-from tests.serving.conftest import tiny_model
+from tests.serving.conftest import BOTH_STEPS, tiny_model
 from tests.serving.test_driver_correctness import (
   GREEDY,
   PROMPTS,
@@ -23,6 +23,7 @@ def _first_hit(tokens: list[int], stop_id: int) -> int:
   return tokens.index(stop_id) + 1
 
 
+@BOTH_STEPS
 async def test_stops_never_leak_the_extra_token_and_refilled_slots_start_clean(make_driver):
   model = tiny_model(seed=11)
   # One slot: every request is admitted into the slot the previous one just stopped in, while
@@ -52,6 +53,7 @@ async def test_stops_never_leak_the_extra_token_and_refilled_slots_start_clean(m
   )
 
 
+@BOTH_STEPS
 async def test_length_limits_are_exact_under_the_lag(make_driver):
   model = tiny_model(seed=12)
   driver = make_driver(model, slots=3)
@@ -69,6 +71,7 @@ async def test_length_limits_are_exact_under_the_lag(make_driver):
     assert res.tokens == greedy_reference(model, prompt, n) and res.stop_reason == "length"
 
 
+@BOTH_STEPS
 async def test_abort_while_a_step_is_in_flight_returns_a_clean_prefix(make_driver):
   model = tiny_model(seed=13)
   driver = make_driver(model, slots=2)
@@ -93,6 +96,7 @@ async def test_abort_while_a_step_is_in_flight_returns_a_clean_prefix(make_drive
   assert (await asyncio.wait_for(other, 60)).tokens == greedy_reference(model, PROMPTS[0], 30)
 
 
+@BOTH_STEPS
 async def test_update_drains_the_step_in_flight_before_reprefill(make_driver):
   old, new = tiny_model(seed=14), tiny_model(seed=15)
   driver = make_driver(old, slots=3)

@@ -17,7 +17,7 @@ from flax import nnx
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.engine_steps import TOKEN
-from tests.serving.conftest import tiny_model
+from tests.serving.conftest import BOTH_STEPS, tiny_model
 from tests.serving.test_driver_correctness import (
   GREEDY,
   PROMPTS,
@@ -51,6 +51,7 @@ def stale_cache_reference(tokenizer, old, new, prompt, tokens, k, n_total):
   return out
 
 
+@BOTH_STEPS
 async def test_keep_continues_from_the_old_cache_without_reprefill(make_driver, tokenizer):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   driver = make_driver(old, slots=2, kv_on_update="keep")
@@ -70,6 +71,7 @@ async def test_keep_continues_from_the_old_cache_without_reprefill(make_driver, 
   assert s["updates"] == 1 and s["reprefill_tokens"] == 0
 
 
+@BOTH_STEPS
 async def test_recompute_reprefills_in_flight_slots(make_driver):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   driver = make_driver(old, slots=2)  # kv_on_update="recompute"
@@ -85,6 +87,7 @@ async def test_recompute_reprefills_in_flight_slots(make_driver):
   assert driver.stats()["reprefill_tokens"] == len(PROMPT) + k - 1
 
 
+@BOTH_STEPS
 async def test_keep_with_unchanged_weights_changes_nothing(make_driver):
   """A version bump with the same weights: the kept cache is exactly a fresh one, so the
   output equals an uninterrupted run, token for token (any misplaced cache row would show)."""
@@ -99,6 +102,7 @@ async def test_keep_with_unchanged_weights_changes_nothing(make_driver):
 
 
 @pytest.mark.parametrize("same_weights", [True, False])
+@BOTH_STEPS
 async def test_keep_reuses_parked_prefixes_across_an_update(make_driver, same_weights):
   old = tiny_model(seed=1)
   new = old if same_weights else tiny_model(seed=5)

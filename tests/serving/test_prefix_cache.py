@@ -10,7 +10,7 @@ from flax import nnx
 
 from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.types import SamplingParams
-from tests.serving.conftest import tiny_model
+from tests.serving.conftest import BOTH_STEPS, tiny_model
 from tests.serving.test_driver_correctness import greedy_reference, learner_logprobs
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -33,6 +33,7 @@ async def turns(driver, n_turns=3, sp=GREEDY, n=6):
   return out
 
 
+@BOTH_STEPS
 async def test_multi_turn_equals_full_prefill(make_driver):
   model = tiny_model(seed=1)
   reuse = make_driver(model, slots=2)
@@ -54,6 +55,7 @@ async def test_multi_turn_equals_full_prefill(make_driver):
   assert plain.stats()["prefix_hits"] == 0 and plain.stats()["slots_parked"] == 0
 
 
+@BOTH_STEPS
 async def test_sampled_continuation_equals_full_prefill(make_driver):
   model = tiny_model(seed=2)
   sp = SamplingParams(temperature=0.8, seed=7)
@@ -67,6 +69,7 @@ async def test_sampled_continuation_equals_full_prefill(make_driver):
     )
 
 
+@BOTH_STEPS
 async def test_parked_slot_kept_while_others_decode(make_driver):
   """A long parked prefix stays intact while other slots decode over a smaller window (the
   parked 33 tokens exceed their 32-token window) and the step ahead of its stop is discarded."""
@@ -118,6 +121,7 @@ async def test_lru_reclaim_when_slots_full(make_driver):
   assert res_a.tokens == greedy_reference(model, na, 5)
 
 
+@BOTH_STEPS
 async def test_abort_of_reused_request(make_driver):
   model = tiny_model(seed=4)
   driver = make_driver(model, slots=2, max_seq_len=64)
