@@ -105,9 +105,10 @@ def test_the_shipped_quickstart_sweep_is_a_two_by_two_grid():
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # two quickstarts, ~1.5-4 minutes each on 2 busy cores
-def test_sweep_of_the_ci_sized_quickstart(tmp_path):
+def test_sweep_of_the_ci_sized_quickstart(tmp_path, monkeypatch):
   """gin/sweeps/quickstart_ci.gin with its grid cut to the eta axis (the full 2 x 2 table is in
   docs/measurements.md): each point a quickstart process, one table of their summaries."""
+  monkeypatch.setenv("XLA_FLAGS", "")  # points see one CPU device, as from a shell
   root = tmp_path / "sweep"
   grid = '{"pipeline.QuickstartRL.max_staleness": ("0", "4")}'
   rc, out = run_main(["sweep", "gin/sweeps/quickstart_ci.gin",
