@@ -15,8 +15,8 @@ Each figure is the median of 3 repeats after one warm-up:
   * safetensors_f32: the format the store replaced (full float32 HF safetensors per version via
     `model.hf_io`), publish and load, for reference. Per GB written.
   * publish_charged: the trainer's side of `rl.weight_sync.DirectoryWeightPublisher.publish`,
-    blocking (`WeightSyncConfig.background=False`: the write happens inside the call) against
-    background (the default: a device copy and a hand-off; the write runs on the publisher's
+    blocking (`WeightSyncConfig.background=False`, the default: the write happens inside the
+    call) against background (a device copy and a hand-off; the write runs on the publisher's
     thread). Each publishes REPEATS + 1 versions with a stand-in train step between them that
     keeps the host idle as a device-bound step does (a sleep as long as one blocking publish);
     the figure is the median time inside `publish` (background: mostly the learner's device

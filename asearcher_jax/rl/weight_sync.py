@@ -75,16 +75,17 @@ class WeightSyncConfig:
   compress: zstd-compress the published arrays (~22 % fewer bytes, for a slow link to the
     store; ~1.7x the CPU time to write, benchmarks/weight_sync.py).
   background: the store's publisher writes on a thread of its own while the trainer steps on
-    (module docstring; one trainer process only, several always write in the call); False:
-    `publish` returns once the version is committed (the old behaviour, for side-by-side
-    measurements or a store that must be current after each step).
+    (module docstring; never under jax.distributed, which always writes in the call). Off by
+    default: an Orbax save on the writer thread can collide with the trainer's own checkpoint
+    save (both wait on Orbax's step-directory signal; seen timing out after 300 s in CI on
+    2026-11-25); False: `publish` returns once the version is committed.
   """
 
   timeout_s: float = 600.0
   keep_versions: int = 2
   dtype: str | None = "bfloat16"
   compress: bool = False
-  background: bool = True
+  background: bool = False
 
   def __post_init__(self):
     if self.timeout_s <= 0:

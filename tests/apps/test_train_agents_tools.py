@@ -197,7 +197,8 @@ def test_train_with_the_web_toolbox_records_then_replays_tool_calls(tmp_path, mo
     assert last["tools/search/calls"] > 0 and calls_recorded > 0
     assert last["tools/cache/writes"] > 0 and last["tools/serper/paid_calls"] > 0
     assert last["tools/cost_usd"] > 0  # the budget spent on paid calls
-    assert last["tools/cache/hits"] > 0  # a group's episodes often search alike
+    # (No claim on cache hits while recording: whether a group's episodes repeat a query is up to
+    # sampling; the replay below must hit.)
 
     replayed = run("replay", "replay-only")
     last = replayed[-1]

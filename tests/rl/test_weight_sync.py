@@ -164,7 +164,7 @@ def test_watcher_runs_whatever_the_pointer_names(tmp_path):
   watcher = DirectoryWeightWatcher(tmp_path / "w", sink, version=0)
   assert watcher.status() is None
   publisher.publish(learner)  # version 0: a fresh run's start
-  publisher.flush()  # background writes (the default): wait for the commit
+  publisher.flush()  # a no-op for blocking writes (the default); background ones: the commit
   assert watcher.poll_once() == 0 and sink.recomputes == [True]
   assert watcher.status()["version"] == 0 and watcher.poll_once() is None
   at_v0 = jax.tree.map(np.asarray, learner.params)
@@ -199,6 +199,9 @@ def test_watcher_thread_feeds_a_real_driver(tmp_path, make_driver):  # noqa: F81
   assert watcher.loaded == [1] and leaves_equal(driver._params.state, bf16(learner.params))
 
 
+BACKGROUND = WeightSyncConfig(background=True)
+
+
 class GatedPublisher(DirectoryWeightPublisher):
   """A slow store: each write waits for `gate` (then writes for real, or fails on `fail_at`)."""
 
@@ -224,7 +227,7 @@ def test_background_publish_lets_the_trainer_run_ahead_of_a_slow_store(tmp_path)
   learner = make_learner(model)
   staleness = StalenessManager(StalenessConfig(batch_groups=1, max_staleness=4))
   publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], staleness,
-                             WeightSyncConfig(keep_versions=4))  # fmt: skip
+                             WeightSyncConfig(keep_versions=4, background=True))  # fmt: skip
   published = {}
   for v in range(1, 5):
     learner.train_step([one_group(v)])
@@ -261,7 +264,7 @@ def test_background_publish_lets_the_trainer_run_ahead_of_a_slow_store(tmp_path)
 def test_background_write_errors_surface_and_close_times_out(tmp_path):
   model = tiny_model()
   learner = make_learner(model)
-  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], fail_at=0)
+  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], fail_at=0, config=BACKGROUND)
   publisher.publish(learner)  # version 0: its write will fail
   with pytest.raises(TimeoutError, match=r"WeightSyncConfig\.timeout_s"):
     publisher.flush(timeout=0.2)  # the store is stuck: no hang, a clear error
@@ -273,7 +276,7 @@ def test_background_write_errors_surface_and_close_times_out(tmp_path):
   publisher.close(timeout=60)
   assert publisher.written == [1] and versions(tmp_path / "w") == [1]
   # An error still pending at close is raised there.
-  failing = GatedPublisher(tmp_path / "f", nnx.split(model)[0], fail_at=1)
+  failing = GatedPublisher(tmp_path / "f", nnx.split(model)[0], fail_at=1, config=BACKGROUND)
   failing.gate.set()
   failing.publish(learner)
   with pytest.raises(RuntimeError, match="store unreachable"):
@@ -286,7 +289,7 @@ def test_a_trainer_under_jax_distributed_publishes_in_the_call(tmp_path, monkeyp
   weights save on a second thread beside a checkpoint save deadlocked there."""
   model = tiny_model()
   learner = make_learner(model)
-  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0])  # background=True
+  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], config=BACKGROUND)
   publisher.write = lambda params, v: (publisher.started.append(v), publisher.gate.wait(30))
   monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
   call = threading.Thread(target=publisher.publish, args=(learner,), daemon=True)
