@@ -90,6 +90,7 @@ def _field_comments(cls: type) -> dict[str, str]:
     return out
   tree = ast.parse(textwrap.dedent("".join(lines)))
   body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+  group, group_end = "", -2  # a comment above consecutive fields speaks of all of them
   for node in body:
     if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
       continue
@@ -100,9 +101,14 @@ def _field_comments(cls: type) -> dict[str, str]:
       above.insert(0, lines[j].strip().lstrip("#").strip())
       j -= 1
     trailing = lines[i].split("  # ", 1)[1].strip() if "  # " in lines[i] else ""
-    text = " ".join(above) or trailing
+    if above:
+      group = " ".join(above)
+    elif group_end != i - 1:
+      group = ""  # a blank line or other code ends the group
+    text = " ".join(above) or trailing or group
     if text:
       out[node.target.id] = text
+    group_end = (node.end_lineno or node.lineno) - 1
   return out
 
 

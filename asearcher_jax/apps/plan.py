@@ -81,7 +81,17 @@ def plan(
   schedule: plan_sim.Schedule = DEFAULT_SCHEDULE,
   tokens_per_episode: int = 4096,
 ) -> int:
-  """Prints the plan (table, then one JSON line); 1 when the target chip's HBM is too small."""
+  """Prints the plan (table, then one JSON line); 1 when the target chip's HBM is too small.
+
+  Args:
+    model: The policy's architecture (`presets.model_config()` in recipes).
+    chip: Target chip: one of v4, v5e, v5p, v6e (its HBM and bf16 peak).
+    trainer: The trainer's mesh, rows and remat (memory per chip and the train step's rate).
+    serving: One serving replica: chips, slots and context (weights + KV cache per chip).
+    workload: The agent workload (searches, tokens per call, tool latency) of the simulation.
+    schedule: B groups of n episodes, eta and the in-flight cap of the async run.
+    tokens_per_episode: Trained tokens per episode (sets the train step's FLOPs).
+  """
   p = estimate(model=model, chip=chip, trainer=trainer, serving=serving, workload=workload,
                schedule=schedule, tokens_per_episode=tokens_per_episode)  # fmt: skip
   print(f"model: {p['model_params_b']} B parameters; target chip {chip}")

@@ -29,8 +29,10 @@ import numpy as np
 class LogNormal:
   """A log-normal draw rounded (integers) or not, clipped to [low, high]."""
 
+  # The median (exp of the underlying normal's mean) and that normal's standard deviation.
   median: float
   sigma: float
+  # Draws are clipped to [low, high].
   low: float
   high: float
 
@@ -59,6 +61,7 @@ class Workload:
 class Schedule:
   """B, n, eta and the in-flight cap of one mode."""
 
+  # B (groups per training step), n (episodes per group) and eta (the staleness bound).
   batch_groups: int = 4
   group_size: int = 4
   eta: int = 4

@@ -4,7 +4,8 @@ Shown (CPU, loopback only, 2 steps each): choosing `asearcher`, `reasoning` or `
 gin binding trains groups made by that agent (the replay log names it, and its trajectories start
 with that agent's own prompt); with the web toolbox (Serper search + the Jina reader, here local
 servers speaking their wire formats) the metrics show the tool cache and the budget spent, and a
-second run in replay-only mode answers its searches from the recorded cache.
+second run in replay-only mode answers its searches from the recorded cache. The warm start never
+opens a page, so the Jina reader is shown in the rollouts `train` runs with scripted episodes.
 """
 
 from __future__ import annotations
@@ -204,3 +205,82 @@ def test_train_with_the_web_toolbox_records_then_replays_tool_calls(tmp_path, mo
     last = replayed[-1]
     assert web.calls() == calls_recorded  # replay never touches the network
     assert last["tools/cache/hits"] > 0 and last["tools/cost_usd"] == 0.0
+
+
+def test_rollouts_read_pages_through_the_jina_reader(tmp_path, monkeypatch):
+  """The trained policy above never opens a page, so the reader is shown here, one level down:
+  the rollout controller `asearcher train` runs, with the web toolbox `wiring` builds for it,
+  episodes that search (Serper) and open a result (Jina): the page's markdown is in the context
+  of the trained sequences (loss mask 0), and the metrics count the reads, their cost and the
+  budget left."""
+  from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig
+  from asearcher_jax.apps import wiring
+  from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
+  from asearcher_jax.rl.rollout import AgentSource, RolloutConfig, RolloutController
+  from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
+  from asearcher_jax.testing import ScriptedClient
+  from asearcher_jax.tools.access import JinaConfig
+  from asearcher_jax.tools.budget import BudgetConfig
+  from asearcher_jax.tools.cache import CacheConfig
+  from asearcher_jax.tools.search import SerperConfig
+  from tests.rl.test_rollout import ITEMS, wait_for
+
+  monkeypatch.setenv("SERPER_API_KEY", fakes.SERPER_KEY)
+  monkeypatch.setenv("JINA_API_KEY", fakes.JINA_KEY)
+  page = "https://example.org/capital_city/0"  # the fake Serper's first link for the query
+  tok = Tokenizer.qwen2()
+  agent = AsearcherAgentConfig(max_turns=8, max_new_tokens=64, max_tokens=4096)
+  episodes = iter(range(1000))
+
+  def client() -> ScriptedClient:
+    answer = "Paris" if next(episodes) % 2 == 0 else "Rome"  # every group of 2 has variance
+    script = [
+      "<search> capital city </search>",
+      "Results read.</think>",
+      f"<access> {page} </access>",
+      "Page read.</think>",
+      f"<answer> {answer} </answer>",
+    ]
+    return ScriptedClient(tok, script)
+
+  with FakeWeb() as web:
+    tools = wiring.ToolsConfig(
+      kind="web",
+      serper=SerperConfig(base_url=web.serper_url),
+      jina=JinaConfig(base_url=web.jina_url),
+      cache=CacheConfig(path=str(tmp_path / "tools.sqlite"), mode="read-write"),
+      budget=BudgetConfig(limit_usd=1.0),
+    )
+    box = wiring.toolbox(tools, view=wiring.agent_view(agent))
+    # One group at a time: the second group's searches and reads come from the cache.
+    staleness = StalenessManager(StalenessConfig(batch_groups=2, max_staleness=0, max_concurrent=1))
+    replay = ReplayQueue(ReplayConfig(capacity=16))
+    ctl = RolloutController(
+      config=RolloutConfig(group_size=2, shuffle=False, admit_poll_s=0.05), items=ITEMS,
+      agents=AgentSource(
+        factory=lambda c, b: AsearcherAgent(client=c, tokenizer=tok, toolbox=b, config=agent),
+        client=client, toolbox=box, stop_token_ids=tok.stop_token_ids,
+      ),
+      staleness=staleness, replay=replay,
+    )  # fmt: skip
+    ctl.add_closer(box.close)
+    ctl.start()
+    try:
+      wait_for(lambda: len(replay) == 2 and staleness.stats()["running"] == 0, timeout=60)
+      metrics = ctl.metrics()
+    finally:
+      ctl.stop()
+    reads = web.counters.calls[page]
+  assert reads >= 1  # the reader was called (later episodes may hit the cache)
+  for group in replay.take(2, timeout=1, current_version=0):
+    for seqs in group.trajectories:
+      context = "".join(
+        tok.decode(np.asarray(s["tokens"])[np.asarray(s["loss_mask"]) == 0].tolist()) for s in seqs
+      )
+      assert f"Body of {page}." in context
+  episodes_run = metrics["rollout/episodes"]
+  assert episodes_run >= 4
+  assert metrics["tools/access/calls"] == metrics["tools/search/calls"] == episodes_run
+  assert metrics["tools/jina/paid_calls"] == reads and metrics["tools/cache/hits"] > 0
+  assert metrics["tools/jina/cost_usd"] == pytest.approx(reads * 0.0002)
+  assert metrics["tools/budget_left_usd"] == pytest.approx(1.0 - metrics["tools/cost_usd"])

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,16 +29,11 @@ from asearcher_jax import distributed
 from asearcher_jax.model import hf_io
 from asearcher_jax.model.sharding import MeshConfig
 from asearcher_jax.serving.weights_dir import load_version, version_dir, versions
+from tests.processes import finish, free_port, kill
 from tests.rl.test_trainer_e2e import pending_on_disk, replay_logs
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY, KILL_AFTER, TOTAL_GROUPS = 5, 2, 3, 16
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def worker_spec(run_dir: Path, *, processes: int, process_id: int, port: int | None, **kw) -> dict:
@@ -75,26 +68,6 @@ def logs(run_dir: Path) -> str:
     lines = [x for x in p.read_text(errors="replace").splitlines() if "spmd_partitioner" not in x]
     out.append(f"--- {p.name}\n" + "\n".join(lines[-40:]))
   return "\n".join(out)
-
-
-def kill(procs: list[subprocess.Popen]) -> None:
-  for p in procs:
-    if p.poll() is None:
-      p.send_signal(signal.SIGKILL)
-  for p in procs:
-    p.wait(30)
-
-
-def finish(run_dir: Path, procs: list[subprocess.Popen], timeout: float) -> None:
-  deadline = time.monotonic() + timeout
-  try:
-    for p in procs:
-      p.wait(max(deadline - time.monotonic(), 1))
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"workers still running after {timeout:g} s\n{logs(run_dir)}")
-  finally:
-    kill(procs)
-  assert [p.returncode for p in procs] == [0] * len(procs), logs(run_dir)
 
 
 def params(run_dir: Path, version: int) -> dict[str, np.ndarray]:
@@ -135,7 +108,7 @@ def reference(tmp_path_factory) -> Path:
   """1 process x 8 devices, STEPS steps uninterrupted: the oracle."""
   run_dir = tmp_path_factory.mktemp("one_process")
   procs = launch(run_dir, 1)
-  finish(run_dir, procs, timeout=300)
+  finish(procs, timeout=300, what="workers", logs=lambda: logs(run_dir))
   return run_dir
 
 
@@ -172,7 +145,7 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
 
   # --- life 2: the same command again resumes from checkpoint 2 ----------------------------------
   procs = launch(run_dir, 2, export=True, store=True)
-  finish(run_dir, procs, timeout=300)
+  finish(procs, timeout=300, what="workers", logs=lambda: logs(run_dir))
   lead, follower = (json.loads((run_dir / "out" / f"result_{i}.json").read_text()) for i in (0, 1))
   assert lead["resumed"] == CHECKPOINT_EVERY == follower["resumed"]
   assert lead["version"] == STEPS == follower["version"]

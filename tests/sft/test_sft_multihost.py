@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,8 @@ import pytest
 from flax import nnx
 
 from asearcher_jax.model import hf_io
-from tests.rl.test_multihost import flat_params, free_port
+from tests.processes import finish, free_port
+from tests.rl.test_multihost import flat_params
 from tests.sft.test_sft import tok, tok_dir, trajs  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,21 +68,6 @@ def launch(run_dir: Path, data: Path, tokenizer: Path, processes: int) -> list[s
   return procs
 
 
-def finish(run_dir: Path, procs: list[subprocess.Popen], timeout: float) -> None:
-  deadline = time.monotonic() + timeout
-  try:
-    for p in procs:
-      p.wait(max(deadline - time.monotonic(), 1))
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"sft still running after {timeout:g} s\n{logs(run_dir)}")
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait(30)
-  assert [p.returncode for p in procs] == [0] * len(procs), logs(run_dir)
-
-
 def logs(run_dir: Path) -> str:
   return "\n".join(
     f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
@@ -101,8 +86,9 @@ def test_two_process_sft_trains_like_one(tmp_path, trajs, tok_dir):  # noqa: F81
   data = tmp_path / "expert.jsonl"
   data.write_text("".join(json.dumps(t.to_json()) + "\n" for t in trajs * 2))
   one, two = tmp_path / "one", tmp_path / "two"
-  finish(one, launch(one, data, tok_dir, 1), timeout=240)
-  finish(two, launch(two, data, tok_dir, 2), timeout=240)
+  for run_dir, n in ((one, 1), (two, 2)):
+    finish(launch(run_dir, data, tok_dir, n), timeout=240, what=f"sft x {n}",
+           logs=lambda run_dir=run_dir: logs(run_dir))  # fmt: skip
 
   # The same loss trajectory, step by step, written by process 0 alone.
   want, got = train_losses(one), train_losses(two)

@@ -4,6 +4,7 @@ outside the repository."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -56,12 +57,45 @@ def test_every_subcommand_help_names_each_parameter_of_its_config(tmp_path):
     assert [p.name for p in own] == list(inspect.signature(main._resolve(target)).parameters)
     for p in params:
       assert f"{p.selector}.{p.name} = {p.default}" in text, (name, p)
+      assert p.meaning and p.meaning in text, (name, p)  # every parameter says what it does
     default = main.default_gin_file(name)
     if default is not None:
       assert str(default.relative_to(REPO)) in text
   # Meanings come from the field comments and Args sections, not from a copy.
   assert "decode batch: requests decoded together" in texts["serve-model"]
   assert "Init seed of the random policy." in texts["serve-model"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Grouped:
+  # Entities per type.
+  people: int = 1
+  places: int = 2
+
+  works: int = 3  # A trailing comment.
+  # Its own comment.
+  years: int = 4
+  months: int = 5
+
+  lone: int = 6
+
+
+def test_a_comment_above_consecutive_fields_means_each_of_them():
+  meanings = {p.name: p.meaning for p in cli_help.parameters(_grouped)}
+  assert meanings["people"] == meanings["places"] == "Entities per type."
+  assert meanings["works"] == "A trailing comment."  # the blank line ended the group
+  assert meanings["years"] == meanings["months"] == "Its own comment."
+  assert meanings["lone"] == ""  # after a blank line: no comment of its own, none inherited
+  assert meanings["config"] == "The grouped settings."
+
+
+def _grouped(*, config: _Grouped = _Grouped()) -> int:
+  """A subcommand-shaped function.
+
+  Args:
+    config: The grouped settings.
+  """
+  return 0
 
 
 @pytest.mark.parametrize("name", ["index", "serve-model"])

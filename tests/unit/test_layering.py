@@ -6,6 +6,7 @@ catching it (a contract dropped, a layer renamed), CI's own lint run would be pa
 
 from __future__ import annotations
 
+import configparser
 import os
 import shutil
 import subprocess
@@ -33,6 +34,23 @@ def _copy_package(dest: Path) -> Path:
   )
   shutil.copy(ROOT / ".importlinter", dest / ".importlinter")
   return dest
+
+
+def _layers() -> list[str]:
+  config = configparser.ConfigParser()
+  config.read(ROOT / ".importlinter")
+  names = config["importlinter:contract:layers"]["layers"].split()
+  return [n.removeprefix("asearcher_jax.") for n in names if n != "|"]
+
+
+def test_every_top_level_module_has_a_layer():
+  """A new package or module outside the layers contract would be free to import anything."""
+  top = {p.stem for p in (ROOT / "asearcher_jax").glob("*.py") if p.stem != "__init__"}
+  top |= {p.parent.name for p in (ROOT / "asearcher_jax").glob("*/__init__.py")}
+  layers = _layers()
+  assert len(layers) == len(set(layers)) and {"main", "apps", "model", "errors"} <= set(layers)
+  assert sorted(top - set(layers)) == [], "add them to .importlinter's layers"
+  assert sorted(set(layers) - top) == [], "layers that name nothing in asearcher_jax/"
 
 
 def test_the_package_keeps_its_layers():
