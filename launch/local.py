@@ -193,6 +193,9 @@ class Supervisor:
       try:
         p.wait(max(deadline - time.monotonic(), 0.1))
       except subprocess.TimeoutExpired:
+        role = next(r for r, q in self.procs.items() if q is p)
+        print(f"supervisor: {role} (pid {p.pid}) ignored SIGTERM for {grace_s:g} s; killing",
+              flush=True)  # fmt: skip
         p.kill()
         p.wait(10)
 
