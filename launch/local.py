@@ -7,13 +7,23 @@ pid file per process, restarts a server that dies while the trainer runs, and wh
 exits (or on `stop`) terminates everything it started. `status` reads the pid files, `logs` tails
 the logs, `stop` signals the supervisor and waits until no process of the run is left.
 
+Several trainer processes are one `jax.distributed` program (coordinator on 127.0.0.1, each
+process with `trainer_devices` fake CPU devices): process 0 runs the rollout controller, the
+replay queue and the metrics, every process trains its shard of the mesh and writes its shards
+of each checkpoint and published version. A program that loses one process is dead: the others
+would block in their next collective until jax's heartbeat timeout takes them down
+(`DistributedConfig.heartbeat_timeout_s`, 100 s by default), so the supervisor ends the run as
+soon as any trainer process exits with an error, and gives the others `trainer_grace_s` to
+follow one that finished cleanly.
+
 A local spec (TOML):
     name = "tiny"
     experiment = "gin/experiments/asearcher_local_qwen2_5_7b.gin"
     overlays = ["gin/overlays/recipe_tiny.gin"]
     run_dir = "runs/launch_tiny"
     serving = 2          # serve-model processes
-    trainers = 1         # trainer processes (jax.distributed: one coordinator, N processes)
+    trainers = 2         # trainer processes (jax.distributed: one coordinator, N processes)
+    trainer_devices = 2  # fake CPU devices per trainer process (unset: XLA's default, 1)
     tools = "local"      # or "web"
     gin_params = []      # extra bindings, every role
 """
@@ -48,6 +58,9 @@ class LocalSpec:
   run_dir: str
   serving: int = 1
   trainers: int = 1
+  # Fake CPU devices per trainer process (ASEARCHER_LOCAL_DEVICE_COUNT: XLA's host platform
+  # device count), so N processes simulate a pod of N hosts; None: XLA's default (one device).
+  trainer_devices: int | None = None
   tools: str = "local"
   gin_params: tuple[str, ...] = ()
 
@@ -58,10 +71,12 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
     d = tomllib.loads(p.read_text())
   except FileNotFoundError:
     raise SpecError(f"{p}: no such spec file") from None
+  except tomllib.TOMLDecodeError as e:
+    raise SpecError(f"{p}: not valid TOML: {e}") from None
   known = {f.name for f in dataclasses.fields(LocalSpec)}
   if unknown := sorted(set(d) - known):
     raise SpecError(f"{p}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)})")
-  for k in ("serving", "trainers"):
+  for k in ("serving", "trainers", "trainer_devices"):
     if not isinstance(d.get(k, 1), int) or d.get(k, 1) < 1:
       raise SpecError(f"{p}: {k} must be an integer >= 1, got {d.get(k)!r}")
   if d.get("tools", "local") not in ("local", "web"):
@@ -136,14 +151,28 @@ class Supervisor:
       self.spawn(f"serve-{i}", roles.serve_argv(self.lay, i))
     coordinator = f"127.0.0.1:{_free_port()}"
     for i in range(self.spec.trainers):
-      env = roles.trainer_env(coordinator, self.spec.trainers, i)
+      env = roles.trainer_env(coordinator, self.spec.trainers, i, self.spec.trainer_devices)
       self.spawn(f"trainer-{i}", roles.trainer_argv(self.lay), env)
 
-  def loop(self, poll_s: float = 0.5) -> int:
-    """Until every trainer exited or a stop: restart servers that died; returns trainer 0's code."""
+  def loop(self, poll_s: float = 0.5, trainer_grace_s: float = 120.0) -> int:
+    """Until every trainer process exited, one failed, or a stop: restarts servers that died,
+    then tears everything down; returns 0 when every trainer process exited 0, else 1."""
+    first_exit = None  # when the first trainer process exited cleanly
     while not self.stopping:
-      trainers = [p for r, p in self.procs.items() if r.startswith("trainer-")]
-      if all(p.poll() is not None for p in trainers):
+      trainers = {r: p for r, p in self.procs.items() if r.startswith("trainer-")}
+      codes = {r: p.poll() for r, p in trainers.items()}
+      if all(c is not None for c in codes.values()):
+        break
+      if failed := sorted(r for r, c in codes.items() if c not in (None, 0)):
+        print(f"supervisor: {', '.join(f'{r} exited {codes[r]}' for r in failed)}; the trainer "
+              "program lost a process: stopping the run", flush=True)  # fmt: skip
+        break
+      if first_exit is None and any(c is not None for c in codes.values()):
+        first_exit = time.monotonic()
+      if first_exit is not None and time.monotonic() - first_exit > trainer_grace_s:
+        late = sorted(r for r, c in codes.items() if c is None)
+        print(f"supervisor: {', '.join(late)} still running {trainer_grace_s:g} s after "
+              "another trainer process finished: stopping the run", flush=True)  # fmt: skip
         break
       for role, p in list(self.procs.items()):
         if not role.startswith("trainer-") and p.poll() is not None:
@@ -151,9 +180,9 @@ class Supervisor:
           print(f"supervisor: {role} (pid {p.pid}) exited {p.returncode}; restarting", flush=True)
           self.spawn(role, *self.argv[role])
       time.sleep(poll_s)
-    code = self.procs["trainer-0"].poll()
+    codes = [p.poll() for r, p in self.procs.items() if r.startswith("trainer-")]
     self.teardown()
-    return 0 if code == 0 else 1
+    return 0 if codes and all(c == 0 for c in codes) else 1
 
   def teardown(self, grace_s: float = 30.0) -> None:
     for p in self.procs.values():
@@ -164,6 +193,9 @@ class Supervisor:
       try:
         p.wait(max(deadline - time.monotonic(), 0.1))
       except subprocess.TimeoutExpired:
+        role = next(r for r, q in self.procs.items() if q is p)
+        print(f"supervisor: {role} (pid {p.pid}) ignored SIGTERM for {grace_s:g} s; killing",
+              flush=True)  # fmt: skip
         p.kill()
         p.wait(10)
 

@@ -94,10 +94,16 @@ def trainer_argv(layout: Layout) -> list[str]:
           f"--gin_param={where}"]  # fmt: skip
 
 
-def trainer_env(coordinator: str, processes: int, process_id: int) -> dict[str, str]:
-  """jax.distributed's environment for trainer process `process_id` of `processes`."""
-  return {
+def trainer_env(
+  coordinator: str, processes: int, process_id: int, local_devices: int | None = None
+) -> dict[str, str]:
+  """jax.distributed's environment for trainer process `process_id` of `processes`;
+  `local_devices`: fake CPU devices for it (a pod simulated on one machine; None on a pod)."""
+  env = {
     "JAX_COORDINATOR_ADDRESS": coordinator,
     "JAX_NUM_PROCESSES": str(processes),
     "JAX_PROCESS_ID": str(process_id),
   }
+  if local_devices is not None:
+    env["ASEARCHER_LOCAL_DEVICE_COUNT"] = str(local_devices)
+  return env

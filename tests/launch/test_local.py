@@ -1,9 +1,12 @@
 """The local backend end to end: the tiny overlay of the ASearcher-Local 7B recipe as real
-processes (retrieval server, 2 serve-model servers, 1 trainer with remote engines and the weights
-store in a directory), a server SIGKILLed mid-run and brought back by the launcher, 3 RL steps,
-then `stop` leaves no process behind (checked with psutil). One trainer process: the multi-host
-learner that would join 2 through jax.distributed is not on main yet (the launcher already gives
-each trainer process its JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)."""
+processes (retrieval server, 2 serve-model servers, 2 trainer processes of one fake CPU device
+each joined by jax.distributed over 127.0.0.1, the weights store in a directory), a server
+SIGKILLed mid-run and brought back by the launcher, 3 RL steps trained on one 2-device mesh and
+generated on the servers, then `stop` leaves no process behind (checked with psutil); a trainer
+process SIGKILLed mid-run ends the run at once. One device per trainer process: with this
+overlay's 1,024-token rows a process holds ~2 GB of learner temporaries per device (measured
+2026-11-25: peak RSS 2 x 3.1 GB with 1 device each, 2 x 5.0 GB with 2), and the suite shares its
+machine; tests/rl/test_multihost.py covers several devices per process."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import io
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +29,8 @@ experiment = "gin/experiments/asearcher_local_qwen2_5_7b.gin"
 overlays = ["gin/overlays/recipe_tiny.gin"]
 run_dir = "{run}"
 serving = 2
-trainers = 1
+trainers = 2
+trainer_devices = 1
 """
 
 
@@ -44,17 +49,35 @@ def wait_for(what: str, cond, timeout_s: float = 900.0):
   return v
 
 
+def assert_nothing_left(run: Path, seen: set[int]) -> None:
+  """No live process of the run: none of the pids seen, none naming the run directory."""
+  left = [p for p in psutil.process_iter(["pid", "cmdline"])
+          if p.info["pid"] in seen or str(run) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+  assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left
+
+
 def test_local_spec_errors(tmp_path):
-  bad = tmp_path / "s.toml"
-  bad.write_text(SPEC.format(run=tmp_path / "r") + "servers = 3\n")
-  err = io.StringIO()
-  with contextlib.redirect_stderr(err):
-    assert cli.main(["start", "--backend", "local", "--spec", str(bad)]) == 2
-  assert "unknown key(s) servers" in err.getvalue() and not (tmp_path / "r").exists()
+  def start_fails(text: str) -> str:
+    """`start` on a spec of `text`: exit status 2 and nothing created; returns stderr."""
+    bad = tmp_path / "s.toml"
+    bad.write_text(text)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+      assert cli.main(["start", "--backend", "local", "--spec", str(bad)]) == 2
+    assert not (tmp_path / "r").exists()
+    return err.getvalue()
+
+  good = SPEC.format(run=tmp_path / "r")
+  assert "unknown key(s) servers" in start_fails(good + "servers = 3\n")
+  zero = good.replace("trainer_devices = 1", "trainer_devices = 0")
+  assert "trainer_devices must be an integer >= 1, got 0" in start_fails(zero)
+  assert "not valid TOML" in start_fails(good + "trainers = 3\n")  # a duplicate key
 
 
 def test_trainer_processes_get_jax_distributed_env(tmp_path):
-  spec = local.LocalSpec(name="t", experiment="e.gin", run_dir=str(tmp_path), serving=2, trainers=2)
+  spec = local.LocalSpec(
+    name="t", experiment="e.gin", run_dir=str(tmp_path), serving=2, trainers=2, trainer_devices=4
+  )
   sup = local.Supervisor(spec, tmp_path, ())
   started = []
   sup.spawn = lambda role, argv, env=None: started.append((role, argv, env))
@@ -65,8 +88,39 @@ def test_trainer_processes_get_jax_distributed_env(tmp_path):
   assert [e["JAX_PROCESS_ID"] for e in envs] == ["0", "1"]
   assert {e["JAX_NUM_PROCESSES"] for e in envs} == {"2"}
   assert len({e["JAX_COORDINATOR_ADDRESS"] for e in envs}) == 1
+  assert {e["ASEARCHER_LOCAL_DEVICE_COUNT"] for e in envs} == {"4"}
   train_argv = started[3][1]
   assert any("serve-0.json" in a and "serve-1.json" in a for a in train_argv)
+
+
+def stand_in(code: str) -> list[str]:
+  return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("trainer_1", ["import sys; sys.exit(3)", "pass"])
+def test_a_trainer_program_that_loses_a_process_is_stopped(tmp_path, trainer_1, capsys):
+  """One trainer process exits (with an error, or cleanly while trainer 0 hangs): the supervisor
+  ends the run within its grace, tears every process down and reports failure."""
+  spec = local.LocalSpec(name="t", experiment="e.gin", run_dir=str(tmp_path), trainers=2)
+  sup = local.Supervisor(spec, tmp_path, ())
+  for d in ("logs", "pids"):
+    (tmp_path / d).mkdir()
+  sleeper = stand_in("import time; time.sleep(120)")
+  for role, argv in (
+    ("serve-0", sleeper),
+    ("trainer-0", sleeper),
+    ("trainer-1", stand_in(trainer_1)),
+  ):
+    sup.spawn(role, argv)
+  t0 = time.monotonic()
+  assert sup.loop(poll_s=0.1, trainer_grace_s=2.0) == 1
+  assert time.monotonic() - t0 < 60
+  assert all(p.poll() is not None for p in sup.procs.values())
+  out = capsys.readouterr().out
+  if "exit" in trainer_1:
+    assert "trainer-1 exited 3; the trainer program lost a process" in out
+  else:
+    assert "trainer-0 still running 2 s after another trainer process finished" in out
 
 
 @pytest.mark.slow
@@ -79,7 +133,7 @@ def test_local_backend_survives_a_killed_server_and_stops_clean(tmp_path, monkey
   assert launch("start", spec)[0] == 0
   seen: set[int] = set()
   try:
-    trainer_log = run / "logs" / "trainer-0.log"
+    trainer_log, follower_log = (run / "logs" / f"trainer-{i}.log" for i in (0, 1))
     wait_for("version 1", lambda: trainer_log.exists()
              and "published version 1 " in trainer_log.read_text())  # fmt: skip
     pids = local.pids(run)
@@ -93,13 +147,59 @@ def test_local_backend_survives_a_killed_server_and_stops_clean(tmp_path, monkey
     code = wait_for("the trainer's end", lambda: (run / "supervisor.done").exists()
                     and (run / "supervisor.done").read_text().strip())  # fmt: skip
     assert code == "0", trainer_log.read_text()[-3000:]
-    summary = json.loads(trainer_log.read_text().strip().splitlines()[-1])
-    assert summary["version"] == 3
-    assert "serve-0 (pid" in (run / "supervisor.log").read_text()  # the restart was logged
+    summaries = [
+      json.loads(f.read_text().strip().splitlines()[-1]) for f in (trainer_log, follower_log)
+    ]
+    assert [s["version"] for s in summaries] == [3, 3]
+    assert summaries[0]["groups_trained"] == summaries[1]["groups_trained"] == 6  # B = 2, 3 steps
+    for i, f in enumerate((trainer_log, follower_log)):  # one program over 2 processes
+      assert f"process {i} of 2, 1 local / 2 global devices" in f.read_text()
+    # Only process 0 writes the metrics: one line per step.
+    metrics = (run / "train" / "metrics" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3]
+    # Every trainer process wrote its shards of the last version, and both servers loaded it.
+    last = run / "weights" / "v00000003" / "params"
+    assert (last / "ocdbt.process_0").is_dir() and (last / "ocdbt.process_1").is_dir()
+    for i in (0, 1):
+      assert "loaded version 3 " in (run / "logs" / f"serve-{i}.log").read_text()
+    log = (run / "supervisor.log").read_text()
+    assert "serve-0 (pid" in log  # the restart was logged
+    assert "ignored SIGTERM" not in log, log  # every role ends on SIGTERM
     assert len(list((run / "weights").glob("v*"))) >= 1
   finally:
     seen |= set(local.pids(run).values())
     assert launch("stop", spec)[0] == 0
-  left = [p for p in psutil.process_iter(["pid", "cmdline"])
-          if p.info["pid"] in seen or str(run) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
-  assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left
+  assert_nothing_left(run, seen)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_process_ends_the_run(tmp_path, monkeypatch):
+  """SIGKILL trainer process 1 while process 0 waits for rollouts (in a collective every poll):
+  the supervisor ends the run at once instead of leaving process 0 to the heartbeat timeout, and
+  `stop` finds nothing left."""
+  monkeypatch.setenv("XLA_FLAGS", "")
+  run = tmp_path / "run"
+  spec = tmp_path / "spec.toml"
+  spec.write_text(SPEC.format(run=run))
+  assert launch("start", spec)[0] == 0
+  seen: set[int] = set()
+  try:
+    follower_log = run / "logs" / "trainer-1.log"
+    wait_for("trainer 1's start", lambda: follower_log.exists()
+             and "[train] fresh start" in follower_log.read_text())  # fmt: skip
+    pids = local.pids(run)
+    seen |= set(pids.values())
+    os.kill(pids["trainer-1"], signal.SIGKILL)
+    t0 = time.monotonic()
+    done = run / "supervisor.done"
+    code = wait_for("the run's end", lambda: done.exists() and done.read_text().strip(), 90.0)
+    took = time.monotonic() - t0
+    assert code == "1"
+    log = (run / "supervisor.log").read_text()
+    assert "trainer-1 exited -9; the trainer program lost a process" in log
+    assert "ignored SIGTERM" not in log, log  # trainer 0 honoured it (no JAX preemption trap)
+    assert not any(local._alive(p) for p in pids.values() if p != pids["supervisor"]), took
+  finally:
+    seen |= set(local.pids(run).values())
+    assert launch("stop", spec)[0] == 0
+  assert_nothing_left(run, seen)
