@@ -104,22 +104,23 @@ def test_the_shipped_quickstart_sweep_is_a_two_by_two_grid():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # two quickstarts, ~1.5-4 minutes each on 2 busy cores
+@pytest.mark.timeout(1800)  # one quickstart, ~1.5-4 minutes on 2 busy cores
 def test_sweep_of_the_ci_sized_quickstart(tmp_path, monkeypatch):
-  """gin/sweeps/quickstart_ci.gin with its grid cut to the eta axis (the full 2 x 2 table is in
-  docs/measurements.md): each point a quickstart process, one table of their summaries."""
+  """gin/sweeps/quickstart_ci.gin with its grid cut to one point (the full 2 x 2 table is in
+  docs/measurements.md; several points, resume and the merged table are the plan sweep's test):
+  the point runs as a quickstart process and its summary lands in the table."""
   monkeypatch.setenv("XLA_FLAGS", "")  # points see one CPU device, as from a shell
   root = tmp_path / "sweep"
-  grid = '{"pipeline.QuickstartRL.max_staleness": ("0", "4")}'
+  grid = '{"pipeline.QuickstartRL.max_staleness": ("4",)}'
   rc, out = run_main(["sweep", "gin/sweeps/quickstart_ci.gin",
                       f'--gin_param=sweeping.sweep.root="{root}"',
                       f"--gin_param=sweeping.sweep.grid={grid}"])  # fmt: skip
   assert rc == 0, out
   table = out[out.index("| point |") :].splitlines()
   assert table[0] == "| point | max_staleness | avg4_sft | avg4_rl | pass4_rl | wall_s | status |"
-  assert len(table) == 2 + 2 and all(r.endswith("| ran |") for r in table[2:])
+  assert len(table) == 2 + 1 and table[2].endswith("| ran |")
   rows = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()]
-  assert [r["point"] for r in rows] == ["p00-max_staleness=0", "p01-max_staleness=4"]
+  assert [r["point"] for r in rows] == ["p00-max_staleness=4"]
   for r in rows:
     assert 0.0 <= r["avg4_rl"] <= 1.0 and r["wall_s"] > 0
     op = (root / r["point"] / "operative_config.gin").read_text()
