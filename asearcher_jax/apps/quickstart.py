@@ -219,6 +219,8 @@ class QuickstartRL:
   kv_on_update: str = "recompute"
   # Fail the stage if no batch of accepted groups arrives within this long.
   batch_timeout_s: float = 900.0
+  # Rows per learner forward/backward pass (`PPOConfig.micro_rows`): memory against step time.
+  micro_rows: int = 4
 
 
 def quickstart(
@@ -282,7 +284,7 @@ def quickstart(
           ppo=PPOConfig(
             row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
             row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
-            ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=4,
+            ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=rl.micro_rows,
           ),
           optimizer=steps.OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=0.0),
         ),

@@ -1,0 +1,159 @@
+"""`asearcher long-horizon`: does asynchronous RL teach the agent to search more than ten times?
+
+SynthWiki chains of 4 to 12 hops (named, injected and fuzzed starts) where every hop needs its own
+search (`synthwiki.questions.hop_leaks`), and a warm start cloned from a scripted expert whose one
+weakness is the one ASearcher's RL fixes: it searches correctly but gives up after a few hops and
+answers with a guess. Stages:
+
+  warm_start  (without `warm_start_dir`) the world, the giving-up expert's token-exact
+              trajectories on the train split, `asearcher sft` from scratch on them, under
+              run_dir/warm_start (resumes from its checkpoints);
+  quickstart  the quickstart's stages unchanged (world, load, eval_sft, rl, eval_rl, report) with
+              this world, agent budgets (>= 30 tool calls fit: search results are compacted after
+              their read turn) and engine;
+  report      `long_horizon_report`: accuracy and tool calls by hop count before and after RL,
+              the per-step distribution of tool calls per training trajectory, per-length-bucket
+              staleness and acceptance, turn/token-limit hits, the issue's bars; summary.json.
+
+Re-running with the same run directory resumes every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import time
+from pathlib import Path
+
+from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import long_horizon_report as lh_report
+from asearcher_jax.apps import quickstart as qs
+from asearcher_jax.apps import sft as sft_commands
+from asearcher_jax.apps.warm_start import SFTStage
+from asearcher_jax.apps.world import expert_trajectories, prepare_world
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model.loading import PolicyConfig
+from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.synthwiki.expert import ExpertConfig
+from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+
+# 150 chain questions per hop count from 4 to 12 (~1,350, ~20 % test), shuffled so that the first
+# evaluated test questions mix every length; hops isolated (each needs its own search).
+LONG_WORLD = SynthWikiConfig(
+  seed=0, questions_per_hop=(0, 0, 0) + (150,) * 9, num_comparisons=0, isolate_hops=True,
+  shuffle=True,
+)  # fmt: skip
+# 72 LLM turns (a tool call takes an act and a read turn: 30 tool calls are 61 turns), 4,096
+# tokens: with results compacted to their URLs after the read turn, a hop costs ~62 tokens
+# (measured on the perfect expert: 12 hops in <= 982 tokens; 30 tool calls ~2,100).
+LONG_AGENT = AsearcherAgentConfig(
+  prompt="synthwiki", topk=3, max_turns=72, max_tokens=4096, max_new_tokens=64,
+  compact_search_results=True,
+)  # fmt: skip
+LONG_ENGINE = EngineConfig(
+  max_slots=32, max_seq_len=4096, prefill_buckets=(512, 1024, 2048, 4096), suffix_buckets=(256,)
+)
+
+
+# The RL stage's defaults: the quickstart's, drawing the warm start's own (train) questions, with
+# two rows per learner pass (rows of up to 4,096 tokens).
+LONG_RL = qs.QuickstartRL(questions="train", micro_rows=2)
+_QUICKSTART_SFT = SFTStage()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LongWarmStart:
+  """The in-run warm start: SFT from scratch on the giving-up expert (train split)."""
+
+  # Expert episodes per train question (each draws its own give-up point).
+  samples_per_question: int = 2
+  # The expert's other mistakes (`ExpertConfig.imperfect` level); 0: it only gives up.
+  imperfection: float = 0.0
+  # Hops after which the expert answers with a guess, uniform in [lo, hi] per episode.
+  give_up_after_hops: tuple[int, int] = (2, 4)
+  # Expert and SFT seed.
+  seed: int = 0
+  # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
+  sft: SFTStage = _QUICKSTART_SFT
+
+
+def make_warm_start(
+  root: Path, world: SynthWikiConfig, warm: LongWarmStart, agent: AsearcherAgentConfig
+) -> tuple[Path, dict[str, float]]:
+  """The giving-up expert's trajectories and a from-scratch SFT on them (both resumable);
+  returns the model directory and the expert's statistics."""
+  sw, files = prepare_world(root.parent / "world", world)
+  data = root / "expert_trajectories.jsonl"
+  stats_path = root / "expert.json"
+  if not stats_path.exists():
+    expert = dataclasses.replace(
+      ExpertConfig.imperfect(warm.imperfection, seed=warm.seed),
+      give_up_after_hops=tuple(warm.give_up_after_hops),
+    )
+    stats = expert_trajectories(
+      sw, files, data, expert=expert, agent_config=agent, seed=warm.seed,
+      samples_per_question=warm.samples_per_question,
+    )  # fmt: skip
+    root.mkdir(parents=True, exist_ok=True)
+    stats_path.write_text(json.dumps(stats) + "\n")
+  sft_commands.sft(
+    trajectories=str(data), out_dir=str(root / "sft"),
+    policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=warm.seed),
+    scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
+    name="SynthWiki long-horizon warm start (asearcher long-horizon)",
+  )  # fmt: skip
+  return root / "sft" / "model", json.loads(stats_path.read_text())
+
+
+def long_horizon(
+  *,
+  run_dir: str = "runs/long_horizon",
+  warm_start_dir: str | None = None,
+  world: SynthWikiConfig = LONG_WORLD,
+  warm: LongWarmStart = LongWarmStart(),
+  temperature: float = 1.0,
+  evaluation: qs.QuickstartEval = qs.QuickstartEval(),
+  rl: qs.QuickstartRL = LONG_RL,
+  agent: AsearcherAgentConfig = LONG_AGENT,
+  engine: EngineConfig = LONG_ENGINE,
+  long_hops: int = 6,
+) -> int:
+  """Runs the long-horizon experiment; prints its JSON summary as the last line.
+
+  Args:
+    run_dir: everything this run writes (warm_start/, then the quickstart's layout).
+    warm_start_dir: a shipped warm start for `world`; None: made in the run (`warm`).
+    world: the SynthWiki world (long, hop-isolated chains).
+    warm: the in-run warm start (expert's give-up range, SFT recipe).
+    temperature: sampling temperature of evaluation and RL.
+    evaluation / rl: the quickstart's evaluation and RL stages.
+    agent / engine: the agent's budgets (must fit 30 tool calls) and the engine's context.
+    long_hops: questions of at least this many hops are the "long" ones of the summary.
+  """
+  t0 = time.time()
+  if agent.max_turns < 61 or agent.max_tokens > engine.max_seq_len:
+    raise AsearcherError(
+      f"long_horizon.agent: max_turns {agent.max_turns} must be >= 61 (30 tool calls) and "
+      f"max_tokens {agent.max_tokens} <= engine.max_seq_len {engine.max_seq_len}"
+    )
+  root = Path(run_dir)
+  expert_stats = None
+  if warm_start_dir is None:
+    model_dir, expert_stats = make_warm_start(root / "warm_start", world, warm, agent)
+    warm_start_dir = str(model_dir)
+  qs.quickstart(
+    run_dir=str(root), warm_start_dir=warm_start_dir, world=world, temperature=temperature,
+    evaluation=evaluation, rl=rl, agent=agent, engine=engine,
+  )  # fmt: skip
+  summary = lh_report.build(root, long_hops=long_hops)
+  summary.update(
+    warm_start_dir=warm_start_dir, warm_start_expert=expert_stats,
+    agent_max_turns=agent.max_turns, agent_max_tokens=agent.max_tokens,
+    wall_s=round(time.time() - t0, 1),
+    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+  )  # fmt: skip
+  summary["bars"] = lh_report.bars(summary)
+  lh_report.write(root / "report", summary)
+  print(json.dumps(summary), flush=True)
+  return 0
