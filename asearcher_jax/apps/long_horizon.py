@@ -51,6 +51,10 @@ LONG_AGENT = AsearcherAgentConfig(
   prompt="synthwiki", topk=3, max_turns=72, max_tokens=4096, max_new_tokens=64,
   compact_search_results=True,
 )  # fmt: skip
+# Context a long episode needs: the prompt and question, then ~62 tokens per tool call (the query,
+# the compacted results, the read turn's note), rounded up.
+PROMPT_TOKENS = 256
+TOKENS_PER_TOOL_CALL = 64
 LONG_ENGINE = EngineConfig(
   max_slots=32, max_seq_len=4096, prefill_buckets=(512, 1024, 2048, 4096), suffix_buckets=(256,)
 )
@@ -118,6 +122,7 @@ def long_horizon(
   agent: AsearcherAgentConfig = LONG_AGENT,
   engine: EngineConfig = LONG_ENGINE,
   long_hops: int = 6,
+  min_tool_calls: int = 30,
 ) -> int:
   """Runs the long-horizon experiment; prints its JSON summary as the last line.
 
@@ -130,12 +135,16 @@ def long_horizon(
     evaluation / rl: the quickstart's evaluation and RL stages.
     agent / engine: the agent's budgets (must fit 30 tool calls) and the engine's context.
     long_hops: questions of at least this many hops are the "long" ones of the summary.
+    min_tool_calls: tool calls the agent's turn and token limits must allow in one episode.
   """
   t0 = time.time()
-  if agent.max_turns < 61 or agent.max_tokens > engine.max_seq_len:
+  turns = 2 * min_tool_calls + 1  # an act and a read turn per tool call, then the answer
+  tokens = PROMPT_TOKENS + TOKENS_PER_TOOL_CALL * min_tool_calls
+  if agent.max_turns < turns or not tokens <= agent.max_tokens <= engine.max_seq_len:
     raise AsearcherError(
-      f"long_horizon.agent: max_turns {agent.max_turns} must be >= 61 (30 tool calls) and "
-      f"max_tokens {agent.max_tokens} <= engine.max_seq_len {engine.max_seq_len}"
+      f"long_horizon.agent: {min_tool_calls} tool calls need max_turns >= {turns} (got "
+      f"{agent.max_turns}) and max_tokens >= {tokens} (got {agent.max_tokens}), within "
+      f"engine.max_seq_len {engine.max_seq_len}"
     )
   root = Path(run_dir)
   expert_stats = None
@@ -150,6 +159,7 @@ def long_horizon(
   summary.update(
     warm_start_dir=warm_start_dir, warm_start_expert=expert_stats,
     agent_max_turns=agent.max_turns, agent_max_tokens=agent.max_tokens,
+    min_tool_calls_allowed=min_tool_calls,
     wall_s=round(time.time() - t0, 1),
     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
   )  # fmt: skip

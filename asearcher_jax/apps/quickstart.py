@@ -219,6 +219,9 @@ class QuickstartRL:
   kv_on_update: str = "recompute"
   # Fail the stage if no batch of accepted groups arrives within this long.
   batch_timeout_s: float = 900.0
+  # The RL reward (`TrainConfig.reward`): "answer" (the ASearcher F1 reward) or "smoke" (the
+  # even-token fraction: a signal for an untrained policy, for plumbing tests only).
+  reward: str = "answer"
   # Rows per learner forward/backward pass (`PPOConfig.micro_rows`): memory against step time.
   micro_rows: int = 4
 
@@ -264,7 +267,7 @@ def quickstart(
   with RetrievalThread(files.index, addr_dir=addr_dir) as server:
     with tracker.stage("load"):
       config = TrainConfig(
-        train_steps=rl.max_steps, batch_timeout_s=rl.batch_timeout_s, reward="answer",
+        train_steps=rl.max_steps, batch_timeout_s=rl.batch_timeout_s, reward=rl.reward,
         temperature=temperature, seed=ev.seed,
         staleness=StalenessConfig(
           batch_groups=rl.batch_groups, max_staleness=rl.max_staleness, max_concurrent=rl.max_concurrent

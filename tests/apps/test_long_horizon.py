@@ -15,6 +15,7 @@ from asearcher_jax.apps import long_horizon as lh
 from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps.warm_start import WARM_START_OPTIMIZER, SFTStage
 from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
+from asearcher_jax.errors import AsearcherError
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki.expert import ExpertConfig
@@ -87,26 +88,32 @@ def test_perfect_expert_searches_once_per_hop_and_the_warm_start_expert_gives_up
 @pytest.mark.slow
 def test_long_horizon_ci_size_reports_every_key(tmp_path):
   run_dir = tmp_path / "lh"
-  sft_cfg = SFTConfig(steps=6, row_len=1024, rows_per_batch=8, eval_every=6, checkpoint_every=6,
+  sft_cfg = SFTConfig(steps=2, row_len=1024, rows_per_batch=4, eval_every=2, checkpoint_every=2,
                       progress=False)  # fmt: skip
   warm = lh.LongWarmStart(
     samples_per_question=1, give_up_after_hops=(2, 3),
     sft=SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
-      WARM_START_OPTIMIZER, total_steps=6, warmup_steps=1)),
+      WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1)),
   )  # fmt: skip
+  # A 2-step warm start cannot answer: RL runs on the "smoke" reward (plumbing, not learning),
+  # with the agent's limits at 3 tool calls and a 1,024-token engine (one prefill shape).
   common = dict(
     run_dir=str(run_dir), world=TINY_LONG, warm=warm,
     evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8),
-    rl=qs.QuickstartRL(seconds=2.0, batch_groups=1, group_size=4, max_concurrent=4,
-                       questions="train", batch_timeout_s=120.0, micro_rows=2),
-    engine=EngineConfig(max_slots=8, max_seq_len=4096, prefill_buckets=(4096,)),
+    rl=qs.QuickstartRL(seconds=1.0, batch_groups=1, group_size=4, max_concurrent=2,
+                       questions="train", batch_timeout_s=300.0, micro_rows=2, reward="smoke"),
+    agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=1024, max_new_tokens=32),
+    engine=EngineConfig(max_slots=8, max_seq_len=1024, prefill_buckets=(1024,)),
+    min_tool_calls=3,
   )  # fmt: skip
+  with pytest.raises(AsearcherError, match="max_turns >= 61"):
+    lh.long_horizon(**{**common, "min_tool_calls": 30})
   assert lh.long_horizon(**common) == 0
   s = json.loads((run_dir / "report" / "summary.json").read_text())
   for key in ("avg4_sft_long", "avg4_rl_long", "tool_calls_sft_long", "tool_calls_rl_long",
               "max_tool_calls_train", "wall_s", "peak_rss_mb"):  # fmt: skip
     assert key in s, key
-  assert s["rl_steps"] >= 1 and s["agent_max_turns"] >= 61
+  assert s["rl_steps"] >= 1 and s["agent_max_turns"] >= 2 * s["min_tool_calls_allowed"] + 1
   dist = s["train_tool_calls"]
   assert dist and all(d["max"] >= d["p90"] >= 0 and d["max"] >= d["mean"] for d in dist)
   assert s["max_tool_calls_train"] == max(d["max"] for d in dist)
