@@ -85,10 +85,17 @@ def test_perfect_expert_searches_once_per_hop_and_the_warm_start_expert_gives_up
   assert sum(t.score for t in hasty) <= 0.3 * len(qs_)
 
 
+def test_give_up_range_is_checked():
+  with pytest.raises(ValueError, match="give_up_after_hops"):
+    ExpertConfig(give_up_after_hops=(3, 2))
+  with pytest.raises(ValueError, match="give_up_after_hops"):
+    ExpertConfig(give_up_after_hops=(0, 2))
+
+
 @pytest.mark.slow
 def test_long_horizon_ci_size_reports_every_key(tmp_path):
   run_dir = tmp_path / "lh"
-  sft_cfg = SFTConfig(steps=2, row_len=1024, rows_per_batch=4, eval_every=2, checkpoint_every=2,
+  sft_cfg = SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                       progress=False)  # fmt: skip
   warm = lh.LongWarmStart(
     samples_per_question=1, give_up_after_hops=(2, 3),
