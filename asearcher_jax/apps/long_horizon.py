@@ -44,11 +44,13 @@ LONG_WORLD = SynthWikiConfig(
   seed=0, questions_per_hop=(0, 0, 0) + (150,) * 9, num_comparisons=0, isolate_hops=True,
   shuffle=True,
 )  # fmt: skip
-# 72 LLM turns (a tool call takes an act and a read turn: 30 tool calls are 61 turns), 4,096
+# 72 LLM turns (a tool call takes an act and a read turn: 30 tool calls are 61 turns), 3,072
 # tokens: with results compacted to their URLs after the read turn, a hop costs ~62 tokens
-# (measured on the perfect expert: 12 hops in <= 982 tokens; 30 tool calls ~2,100).
+# (measured on the perfect expert: 12 hops in <= 982 tokens; 30 tool calls ~2,100). Not 4,096:
+# the learner's attention cost grows with the row length (2026-11-25, 2 cores: 16k token cells
+# in 4,096-token rows took 3.8x the time of 1,024-token rows, peak RSS 4.5 GB at 2 rows a pass).
 LONG_AGENT = AsearcherAgentConfig(
-  prompt="synthwiki", topk=3, max_turns=72, max_tokens=4096, max_new_tokens=64,
+  prompt="synthwiki", topk=3, max_turns=72, max_tokens=3072, max_new_tokens=64,
   compact_search_results=True,
 )  # fmt: skip
 # Context a long episode needs: the prompt and question, then ~62 tokens per tool call (the query,
@@ -56,13 +58,13 @@ LONG_AGENT = AsearcherAgentConfig(
 PROMPT_TOKENS = 256
 TOKENS_PER_TOOL_CALL = 64
 LONG_ENGINE = EngineConfig(
-  max_slots=32, max_seq_len=4096, prefill_buckets=(512, 1024, 2048, 4096), suffix_buckets=(256,)
+  max_slots=32, max_seq_len=3072, prefill_buckets=(512, 1024, 2048, 3072), suffix_buckets=(256,)
 )
 
 
 # The RL stage's defaults: the quickstart's, drawing the warm start's own (train) questions, with
-# two rows per learner pass (rows of up to 4,096 tokens).
-LONG_RL = qs.QuickstartRL(questions="train", micro_rows=2)
+# two rows per learner pass and 1,024- or 2,048-token rows for minibatches that fit them.
+LONG_RL = qs.QuickstartRL(questions="train", micro_rows=2, short_row_lens=(1024, 2048))
 _QUICKSTART_SFT = SFTStage()
 
 

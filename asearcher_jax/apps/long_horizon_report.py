@@ -151,7 +151,8 @@ def bars(s: Mapping[str, Any]) -> dict[str, bool]:
   """Which of the issue's bars this run meets (each alone; the 2-seed bar needs two runs)."""
   return {
     "tool_calls_rl_long>=10": s["tool_calls_rl_long"] >= MIN_LONG_TOOL_CALLS,
-    "tool_calls_rl_long>=2x_sft": s["tool_calls_rl_long"] >= max(2 * s["tool_calls_sft_long"], 1e-9),
+    "tool_calls_rl_long>=2x_sft": s["tool_calls_rl_long"]
+    >= max(2 * s["tool_calls_sft_long"], 1e-9),
     "avg4_long_gain>=10pt": s["avg4_rl_long"] - s["avg4_sft_long"] >= MIN_LONG_GAIN,
     "max_tool_calls_train>=30": s["max_tool_calls_train"] >= MIN_MAX_TOOL_CALLS,
     "train_p90_rises": s["train_tool_calls_p90_last"] > s["train_tool_calls_p90_first"],

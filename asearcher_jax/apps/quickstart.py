@@ -224,6 +224,9 @@ class QuickstartRL:
   reward: str = "answer"
   # Rows per learner forward/backward pass (`PPOConfig.micro_rows`): memory against step time.
   micro_rows: int = 4
+  # Shorter learner rows a minibatch packs into when its longest sequence fits
+  # (`PPOConfig.short_row_lens`); None: half the engine's context.
+  short_row_lens: tuple[int, ...] | None = None
 
 
 def quickstart(
@@ -285,7 +288,9 @@ def quickstart(
           # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
           # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
           ppo=PPOConfig(
-            row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
+            row_len=engine.max_seq_len,
+            short_row_lens=(engine.max_seq_len // 2,) if rl.short_row_lens is None
+            else tuple(rl.short_row_lens),
             row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
             ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=rl.micro_rows,
           ),
