@@ -62,6 +62,9 @@ def long_stats(
   evaluation episodes hit the turn or token limit."""
   long = [r for r in rows if hops[r["qid"]] >= long_hops]
   return {
+    # The fewest tool calls that solve them (one search per hop): the ceiling of an agent that
+    # never searches twice for a hop.
+    "min_tool_calls": _mean([float(hops[r["qid"]]) for r in long]),
     "avg_em": _mean([float(r["em"]) for r in long]),
     "tool_calls": _mean([float(r["tool_calls"]) for r in long]),
     "questions": len({r["qid"] for r in long}),
@@ -130,6 +133,7 @@ def build(root: Path, *, long_hops: int) -> dict[str, Any]:
     long_hops=long_hops, long_questions=lb["questions"],
     avg4_sft_long=lb["avg_em"], avg4_rl_long=la["avg_em"],
     tool_calls_sft_long=lb["tool_calls"], tool_calls_rl_long=la["tool_calls"],
+    tool_calls_needed_long=lb["min_tool_calls"],
     accuracy_by_hops_sft=by_hops(before, hops), accuracy_by_hops_rl=by_hops(after, hops),
     train_tool_calls=dist,
     max_tool_calls_train=max((d["max"] for d in dist if math.isfinite(d["max"])), default=0.0),
@@ -168,6 +172,7 @@ def format_markdown(s: Mapping[str, Any]) -> str:
     "| | warm start | after RL |", "|---|---|---|",
     f"| Avg@{s['k']} EM | {100 * s['avg4_sft_long']:.1f}% | {100 * s['avg4_rl_long']:.1f}% |",
     f"| tool calls / trajectory | {s['tool_calls_sft_long']:.2f} | {s['tool_calls_rl_long']:.2f} |",
+    "", f"One search per hop solves them in {s['tool_calls_needed_long']:.2f} tool calls on average.",
     "", "## By hop count (Avg EM, tool calls)", "", "| hops | warm start | after RL |",
     "|---|---|---|",
   ]  # fmt: skip

@@ -120,6 +120,7 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   for key in ("avg4_sft_long", "avg4_rl_long", "tool_calls_sft_long", "tool_calls_rl_long",
               "max_tool_calls_train", "wall_s", "peak_rss_mb"):  # fmt: skip
     assert key in s, key
+  assert s["tool_calls_needed_long"] >= 6  # the mean hop count of the >= 6-hop questions
   assert s["rl_steps"] >= 1 and s["agent_max_turns"] >= 2 * s["min_tool_calls_allowed"] + 1
   dist = s["train_tool_calls"]
   assert dist and all(d["max"] >= d["p90"] >= 0 and d["max"] >= d["mean"] for d in dist)
