@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, str] = {
   "synth": "asearcher_jax.apps.synth:synth",
   "quickstart": "asearcher_jax.apps.quickstart:quickstart",
   "warm-start": "asearcher_jax.apps.warm_start:warm_start",
+  "long-horizon": "asearcher_jax.apps.long_horizon:long_horizon",
   "inspect": "asearcher_jax.apps.inspect:inspect",
   "plan": "asearcher_jax.apps.plan:plan",
   "sweep": "asearcher_jax.apps.sweep:sweep",

@@ -219,6 +219,14 @@ class QuickstartRL:
   kv_on_update: str = "recompute"
   # Fail the stage if no batch of accepted groups arrives within this long.
   batch_timeout_s: float = 900.0
+  # The RL reward (`TrainConfig.reward`): "answer" (the ASearcher F1 reward) or "smoke" (the
+  # even-token fraction: a signal for an untrained policy, for plumbing tests only).
+  reward: str = "answer"
+  # Rows per learner forward/backward pass (`PPOConfig.micro_rows`): memory against step time.
+  micro_rows: int = 4
+  # Shorter learner rows a minibatch packs into when its longest sequence fits
+  # (`PPOConfig.short_row_lens`); None: half the engine's context.
+  short_row_lens: tuple[int, ...] | None = None
 
 
 def quickstart(
@@ -262,7 +270,7 @@ def quickstart(
   with RetrievalThread(files.index, addr_dir=addr_dir) as server:
     with tracker.stage("load"):
       config = TrainConfig(
-        train_steps=rl.max_steps, batch_timeout_s=rl.batch_timeout_s, reward="answer",
+        train_steps=rl.max_steps, batch_timeout_s=rl.batch_timeout_s, reward=rl.reward,
         temperature=temperature, seed=ev.seed,
         staleness=StalenessConfig(
           batch_groups=rl.batch_groups, max_staleness=rl.max_staleness, max_concurrent=rl.max_concurrent
@@ -280,9 +288,11 @@ def quickstart(
           # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
           # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
           ppo=PPOConfig(
-            row_len=engine.max_seq_len, short_row_lens=(engine.max_seq_len // 2,),
+            row_len=engine.max_seq_len,
+            short_row_lens=(engine.max_seq_len // 2,) if rl.short_row_lens is None
+            else tuple(rl.short_row_lens),
             row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
-            ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=4,
+            ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=rl.micro_rows,
           ),
           optimizer=steps.OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=0.0),
         ),

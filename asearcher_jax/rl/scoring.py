@@ -88,7 +88,7 @@ class RolloutStats:
 
   def snapshot(self, *, reset: bool = True) -> dict[str, float]:
     """`rollout/*`: the counters, and means of the samples since the last reset (group latency
-    also as its max)."""
+    also as its max; tool calls and turns also as p90 and max)."""
     with self._lock:
       out = {f"rollout/{k}": float(v) for k, v in self._count.items()}
       for k, vs in self._samples.items():
@@ -96,6 +96,10 @@ class RolloutStats:
           out[f"rollout/{k}"] = float(np.mean(vs))
       if self._samples.get("group_s"):
         out["rollout/group_s_max"] = float(np.max(self._samples["group_s"]))
+      for k in ("tool_calls", "turns"):  # the long-horizon distribution (mean, p90, max)
+        if self._samples.get(k):
+          out[f"rollout/{k}_p90"] = float(np.percentile(self._samples[k], 90))
+          out[f"rollout/{k}_max"] = float(np.max(self._samples[k]))
       if reset:
         self._samples.clear()
     return out
@@ -130,6 +134,8 @@ class RolloutStats:
       tool_calls_total=s["num_search"] + s["num_access"],
       generated_tokens=s["num_output_tokens"],
       interrupted_trajectories=int(interrupted(t)),
+      turn_limit_trajectories=int(t.finish_reason == "turn_limit"),
+      token_limit_trajectories=int(t.finish_reason == "token_limit"),
     )
 
 

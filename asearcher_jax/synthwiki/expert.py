@@ -66,6 +66,10 @@ class ExpertConfig:
   p_misread: float = 0.0
   # Tool calls for one hop before giving up with a guess (search, search by name, open page).
   max_attempts: int = 3
+  # Chains only, the long-horizon weakness: once this many hops are resolved, answer with a guess
+  # instead of searching on; drawn per episode uniformly from [lo, hi] (the episode's sampling
+  # seed and question pick it). Chains of at most that many hops are played out. None: never.
+  give_up_after_hops: tuple[int, int] | None = None
 
   def __post_init__(self) -> None:
     for name in ("p_guess", "p_sloppy_query", "p_skip_search", "p_misread"):
@@ -73,6 +77,9 @@ class ExpertConfig:
         raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
     if self.max_attempts < 1:
       raise ValueError("max_attempts must be >= 1")
+    g = self.give_up_after_hops
+    if g is not None and (len(g) != 2 or not 1 <= g[0] <= g[1]):
+      raise ValueError(f"give_up_after_hops must be (lo, hi) with 1 <= lo <= hi, got {g}")
 
   @classmethod
   def imperfect(cls, level: float, *, seed: int = 0) -> ExpertConfig:
@@ -139,7 +146,7 @@ class SynthWikiExpert:
     digest = hashlib.sha256(context.encode()).hexdigest()[:16]
     rng = random.Random(f"{self.config.seed}|{sampling.seed}|{digest}")
     read_turn = "</think>" in stop and not any(s in stop for s in ACT_STOPS)
-    text = self.next_turn(context, read_turn=read_turn, rng=rng)
+    text = self.next_turn(context, read_turn=read_turn, rng=rng, episode_seed=sampling.seed)
     result = self._result(text, tuple(stop), max_new_tokens, stop_token_ids)
     if self.record:
       self.calls.append(RecordedCall(list(token_ids), result, tuple(stop), max_new_tokens))
@@ -225,7 +232,9 @@ class SynthWikiExpert:
 
   # -- writing the next turn ------------------------------------------------------------------
 
-  def next_turn(self, context: str, *, read_turn: bool, rng: random.Random) -> str:
+  def next_turn(
+    self, context: str, *, read_turn: bool, rng: random.Random, episode_seed: int | None = None
+  ) -> str:
     v = self.view(context)
     if read_turn:
       return self._read(v, rng) + "</think>"
@@ -235,6 +244,9 @@ class SynthWikiExpert:
     head = f"{self._plan(v.question, need)}</think>\n" if first else "\n"
     if need[0] == "answer":
       return f"{head}<answer> {need[1]} </answer>"
+    patience = self.patience(v.question, episode_seed)
+    if patience is not None and self.resolved_hops(v.question, known) >= patience:
+      return f"{head}<answer> {self._guess(v, rng)} </answer>"
     if rng.random() < self.config.p_guess:
       return f"{head}<answer> {self._guess(v, rng)} </answer>"
     tail = v.notes[last:]
@@ -242,6 +254,28 @@ class SynthWikiExpert:
     if attempts >= self.config.max_attempts:
       return f"{head}<answer> {self._guess(v, rng)} </answer>"
     return head + self._action(v.question, need, attempts, rng)
+
+  def patience(self, q: SynthQuestion, episode_seed: int | None) -> int | None:
+    """Hops after which this episode gives up (`give_up_after_hops`); None: plays it out."""
+    g = self.config.give_up_after_hops
+    if g is None or q.kind != "chain":
+      return None
+    n = random.Random(f"{self.config.seed}|{episode_seed}|{q.id}").randint(g[0], g[1])
+    return n if n < q.hops else None
+
+  @staticmethod
+  def resolved_hops(q: SynthQuestion, known: dict[tuple[str, str], str]) -> int:
+    """Chain steps already resolved in the notes (0 while a described start is unidentified)."""
+    cur = q.start
+    if q.constraints:
+      if ("?", q.noun) not in known:
+        return 0
+      cur = known[("?", q.noun)]
+    for i, rel in enumerate(q.relations):
+      if (cur, rel) not in known:
+        return i
+      cur = known[(cur, rel)]
+    return len(q.relations)
 
   def _plan(self, q: SynthQuestion, need) -> str:
     if need[0] == "identify":

@@ -189,12 +189,65 @@ def resolve(world: World, q: SynthQuestion) -> set[str]:
   return answers
 
 
-def _walk(world: World, rng: random.Random, start: Entity, k: int, p_attr: float):
-  """k steps from `start` without revisiting an entity; (relations, entities/values) or None."""
+def mentions(entity: Entity) -> set[str]:
+  """Ids of the entities the page of `entity` names (its entity-valued facts)."""
+  return {v for r, v in entity.facts.items() if not RELATIONS[r].is_attribute}
+
+
+def chain_entities(world: World, q: SynthQuestion) -> list[str]:
+  """Ids of a chain's entities in order: the start, every bridge entity, the answer if an entity."""
+  ids = [world.by_name[q.start].id]
+  for rel, value in zip(q.relations, q.bridges):
+    if not RELATIONS[rel].is_attribute:
+      ids.append(world.by_name[value].id)
+  return ids
+
+
+def hop_leaks(world: World, q: SynthQuestion) -> list[str]:
+  """Why one search could reveal two hops of chain `q` (empty: every hop needs its own search).
+
+  A fact is stated only on its subject's page, so hop i + 1 can only come out of a search for hop
+  i if that search returns the page of the next entity. The rule: among the chain's entities,
+  the page of each names only its successor (no back-links, no shortcuts), and no page after the
+  start names an entity of an injected description. A search by one entity's name then finds no
+  later page of the chain through that name."""
+  if q.kind != "chain":
+    return []
+  chain = chain_entities(world, q)
+  names = {i: world.entities[i].name for i in chain}
+  out = []
+  for i, eid in enumerate(chain):
+    allowed = {eid, *chain[i + 1 : i + 2]}
+    extra = (mentions(world.entities[eid]) & set(chain)) - allowed
+    if extra:
+      out.append(f"{names[eid]} names chain entities {sorted(names[x] for x in extra)}")
+  described = {
+    world.by_name[c.value].id for c in q.constraints if not RELATIONS[c.relation].is_attribute
+  }
+  for eid in chain[1:]:
+    extra = mentions(world.entities[eid]) & described
+    if extra:
+      out.append(f"{names[eid]} names entities of the start's description")
+  return out
+
+
+def _walk(
+  world: World, rng: random.Random, start: Entity, k: int, p_attr: float, isolate: bool = False
+):
+  """k steps from `start` without revisiting an entity; (relations, entities/values) or None.
+  With `isolate`, only steps that keep `hop_leaks`' rule (the page of the next entity names no
+  earlier one, and no earlier page names it)."""
   seen = {start.id}
+  named = set()  # entities named by the chain's pages before the current one
   cur, rels, path = start, [], []
   for step in range(k):
     hops = [r for r, v in cur.facts.items() if not RELATIONS[r].is_attribute and v not in seen]
+    if isolate:
+      hops = [
+        r
+        for r in hops
+        if cur.facts[r] not in named and not mentions(world.entities[cur.facts[r]]) & seen
+      ]
     if step == k - 1:
       attrs = [r for r in cur.facts if RELATIONS[r].is_attribute]
       if attrs and (not hops or rng.random() < p_attr):
@@ -203,6 +256,7 @@ def _walk(world: World, rng: random.Random, start: Entity, k: int, p_attr: float
     if not hops:
       return None
     r = rng.choice(hops)
+    named |= mentions(cur)
     cur = world.entities[cur.facts[r]]
     seen.add(cur.id)
     rels.append(r)
@@ -263,7 +317,7 @@ def _inject(
 
 def _chain_question(world: World, rng: random.Random, k: int, config: SynthWikiConfig):
   start = world.entities[rng.choice(world.ids)]
-  walked = _walk(world, rng, start, k, config.attribute_prob)
+  walked = _walk(world, rng, start, k, config.attribute_prob, config.isolate_hops)
   if walked is None:
     return None
   rels, path = walked
@@ -278,7 +332,7 @@ def _chain_question(world: World, rng: random.Random, k: int, config: SynthWikiC
     cons, ops = injected
     start_np = describe(noun_of(start), cons)
   readers = [start, *[p for p in path[:-1]]]
-  return dict(
+  q = dict(
     question=_chain_text(start_np, rels),
     answer=bridges[-1],
     kind="chain",
@@ -293,6 +347,9 @@ def _chain_question(world: World, rng: random.Random, k: int, config: SynthWikiC
     gold_ids=tuple(e.id for e in readers),
     gold_titles=tuple(e.name for e in readers),
   )
+  if config.isolate_hops and hop_leaks(world, SynthQuestion(id="", **q)):
+    return None  # an injected description named by a later page of the chain
+  return q
 
 
 def _comparison_question(world: World, rng: random.Random):
@@ -345,6 +402,8 @@ def generate_questions(world: World, config: SynthWikiConfig | None = None) -> l
       seen.add(q["question"])
       made.append(q)
       got += 1
+  if config.shuffle:
+    rng.shuffle(made)
   out = []
   for i, q in enumerate(made):
     split = "test" if q["start"] in test_names else "train"
@@ -352,6 +411,8 @@ def generate_questions(world: World, config: SynthWikiConfig | None = None) -> l
   for q in out:  # the invariant every consumer relies on; a failure is a generator bug
     if resolve(world, q) != {q.answer}:
       raise AssertionError(f"question {q.id} does not have a unique answer: {q.question}")
+    if config.isolate_hops and hop_leaks(world, q):
+      raise AssertionError(f"question {q.id} leaks hops: {hop_leaks(world, q)}")
   return out
 
 

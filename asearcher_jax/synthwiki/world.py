@@ -230,6 +230,12 @@ class SynthWikiConfig:
   test_fraction: float = 0.2
   # Generation attempts per wanted question before settling for fewer (small worlds run dry).
   attempts_per_question: int = 40
+  # Chains whose every hop needs its own search: among the chain's entities (and an injected
+  # start's constraint entities), each page mentions only the next one (`questions.hop_leaks`).
+  isolate_hops: bool = False
+  # Shuffle the questions before numbering them, so the first N of a split mix every kind
+  # (otherwise they come in hop order: 1-hop first).
+  shuffle: bool = False
 
   def __post_init__(self) -> None:
     if min(self.num_people, self.num_places, self.num_organisations) < 4 or self.num_works < 1:

@@ -1,0 +1,171 @@
+"""`asearcher long-horizon`: does asynchronous RL teach the agent to search more than ten times?
+
+SynthWiki chains of 4 to 12 hops (named, injected and fuzzed starts) where every hop needs its own
+search (`synthwiki.questions.hop_leaks`), and a warm start cloned from a scripted expert whose one
+weakness is the one ASearcher's RL fixes: it searches correctly but gives up after a few hops and
+answers with a guess. Stages:
+
+  warm_start  (without `warm_start_dir`) the world, the giving-up expert's token-exact
+              trajectories on the train split, `asearcher sft` from scratch on them, under
+              run_dir/warm_start (resumes from its checkpoints);
+  quickstart  the quickstart's stages unchanged (world, load, eval_sft, rl, eval_rl, report) with
+              this world, agent budgets (>= 30 tool calls fit: search results are compacted after
+              their read turn) and engine;
+  report      `long_horizon_report`: accuracy and tool calls by hop count before and after RL,
+              the per-step distribution of tool calls per training trajectory, per-length-bucket
+              staleness and acceptance, turn/token-limit hits, the issue's bars; summary.json.
+
+Re-running with the same run directory resumes every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import time
+from pathlib import Path
+
+from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import long_horizon_report as lh_report
+from asearcher_jax.apps import quickstart as qs
+from asearcher_jax.apps import sft as sft_commands
+from asearcher_jax.apps.warm_start import SFTStage
+from asearcher_jax.apps.world import expert_trajectories, prepare_world
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model.loading import PolicyConfig
+from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.synthwiki.expert import ExpertConfig
+from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+
+# 150 chain questions per hop count from 4 to 12 (~1,350, ~20 % test), shuffled so that the first
+# evaluated test questions mix every length; hops isolated (each needs its own search).
+LONG_WORLD = SynthWikiConfig(
+  seed=0, questions_per_hop=(0, 0, 0) + (150,) * 9, num_comparisons=0, isolate_hops=True,
+  shuffle=True,
+)  # fmt: skip
+# 72 LLM turns (a tool call takes an act and a read turn: 30 tool calls are 61 turns), 3,072
+# tokens: with results compacted to their URLs after the read turn, a hop costs ~62 tokens
+# (measured on the perfect expert: 12 hops in <= 982 tokens; 30 tool calls ~2,100). Not 4,096:
+# the learner's attention cost grows with the row length (2026-11-25, 2 cores: 16k token cells
+# in 4,096-token rows took 3.8x the time of 1,024-token rows, peak RSS 4.5 GB at 2 rows a pass).
+LONG_AGENT = AsearcherAgentConfig(
+  prompt="synthwiki", topk=3, max_turns=72, max_tokens=3072, max_new_tokens=64,
+  compact_search_results=True,
+)  # fmt: skip
+# Context a long episode needs: the prompt and question, then ~62 tokens per tool call (the query,
+# the compacted results, the read turn's note), rounded up.
+PROMPT_TOKENS = 256
+TOKENS_PER_TOOL_CALL = 64
+LONG_ENGINE = EngineConfig(
+  max_slots=32, max_seq_len=3072, prefill_buckets=(512, 1024, 2048, 3072), suffix_buckets=(256,)
+)
+
+
+# The RL stage's defaults: the quickstart's, drawing the warm start's own (train) questions, with
+# two rows per learner pass and 1,024- or 2,048-token rows for minibatches that fit them.
+LONG_RL = qs.QuickstartRL(questions="train", micro_rows=2, short_row_lens=(1024, 2048))
+_QUICKSTART_SFT = SFTStage()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LongWarmStart:
+  """The in-run warm start: SFT from scratch on the giving-up expert (train split)."""
+
+  # Expert episodes per train question (each draws its own give-up point).
+  samples_per_question: int = 2
+  # The expert's other mistakes (`ExpertConfig.imperfect` level); 0: it only gives up.
+  imperfection: float = 0.0
+  # Hops after which the expert answers with a guess, uniform in [lo, hi] per episode.
+  give_up_after_hops: tuple[int, int] = (2, 4)
+  # Expert and SFT seed.
+  seed: int = 0
+  # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
+  sft: SFTStage = _QUICKSTART_SFT
+
+
+def make_warm_start(
+  root: Path, world: SynthWikiConfig, warm: LongWarmStart, agent: AsearcherAgentConfig
+) -> tuple[Path, dict[str, float]]:
+  """The giving-up expert's trajectories and a from-scratch SFT on them (both resumable);
+  returns the model directory and the expert's statistics."""
+  sw, files = prepare_world(root.parent / "world", world)
+  data = root / "expert_trajectories.jsonl"
+  stats_path = root / "expert.json"
+  if not stats_path.exists():
+    expert = dataclasses.replace(
+      ExpertConfig.imperfect(warm.imperfection, seed=warm.seed),
+      give_up_after_hops=tuple(warm.give_up_after_hops),
+    )
+    stats = expert_trajectories(
+      sw, files, data, expert=expert, agent_config=agent, seed=warm.seed,
+      samples_per_question=warm.samples_per_question,
+    )  # fmt: skip
+    root.mkdir(parents=True, exist_ok=True)
+    stats_path.write_text(json.dumps(stats) + "\n")
+  sft_commands.sft(
+    trajectories=str(data), out_dir=str(root / "sft"),
+    policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=warm.seed),
+    scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
+    name="SynthWiki long-horizon warm start (asearcher long-horizon)",
+  )  # fmt: skip
+  return root / "sft" / "model", json.loads(stats_path.read_text())
+
+
+def long_horizon(
+  *,
+  run_dir: str = "runs/long_horizon",
+  warm_start_dir: str | None = None,
+  world: SynthWikiConfig = LONG_WORLD,
+  warm: LongWarmStart = LongWarmStart(),
+  temperature: float = 1.0,
+  evaluation: qs.QuickstartEval = qs.QuickstartEval(),
+  rl: qs.QuickstartRL = LONG_RL,
+  agent: AsearcherAgentConfig = LONG_AGENT,
+  engine: EngineConfig = LONG_ENGINE,
+  long_hops: int = 6,
+  min_tool_calls: int = 30,
+) -> int:
+  """Runs the long-horizon experiment; prints its JSON summary as the last line.
+
+  Args:
+    run_dir: everything this run writes (warm_start/, then the quickstart's layout).
+    warm_start_dir: a shipped warm start for `world`; None: made in the run (`warm`).
+    world: the SynthWiki world (long, hop-isolated chains).
+    warm: the in-run warm start (expert's give-up range, SFT recipe).
+    temperature: sampling temperature of evaluation and RL.
+    evaluation / rl: the quickstart's evaluation and RL stages.
+    agent / engine: the agent's budgets (must fit 30 tool calls) and the engine's context.
+    long_hops: questions of at least this many hops are the "long" ones of the summary.
+    min_tool_calls: tool calls the agent's turn and token limits must allow in one episode.
+  """
+  t0 = time.time()
+  turns = 2 * min_tool_calls + 1  # an act and a read turn per tool call, then the answer
+  tokens = PROMPT_TOKENS + TOKENS_PER_TOOL_CALL * min_tool_calls
+  if agent.max_turns < turns or not tokens <= agent.max_tokens <= engine.max_seq_len:
+    raise AsearcherError(
+      f"long_horizon.agent: {min_tool_calls} tool calls need max_turns >= {turns} (got "
+      f"{agent.max_turns}) and max_tokens >= {tokens} (got {agent.max_tokens}), within "
+      f"engine.max_seq_len {engine.max_seq_len}"
+    )
+  root = Path(run_dir)
+  expert_stats = None
+  if warm_start_dir is None:
+    model_dir, expert_stats = make_warm_start(root / "warm_start", world, warm, agent)
+    warm_start_dir = str(model_dir)
+  qs.quickstart(
+    run_dir=str(root), warm_start_dir=warm_start_dir, world=world, temperature=temperature,
+    evaluation=evaluation, rl=rl, agent=agent, engine=engine,
+  )  # fmt: skip
+  summary = lh_report.build(root, long_hops=long_hops)
+  summary.update(
+    warm_start_dir=warm_start_dir, warm_start_expert=expert_stats,
+    agent_max_turns=agent.max_turns, agent_max_tokens=agent.max_tokens,
+    min_tool_calls_allowed=min_tool_calls,
+    wall_s=round(time.time() - t0, 1),
+    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+  )  # fmt: skip
+  summary["bars"] = lh_report.bars(summary)
+  lh_report.write(root / "report", summary)
+  print(json.dumps(summary), flush=True)
+  return 0

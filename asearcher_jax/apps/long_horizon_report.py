@@ -1,0 +1,198 @@
+"""The long-horizon report, rebuilt from a finished run directory's files alone: the quickstart's
+summary, the evaluations' per-question rows (questions.csv), the held-out questions' hop counts
+(world/test.jsonl) and the RL metrics (rl/metrics/metrics.jsonl)."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from asearcher_jax.apps import quickstart_report as qs_report
+
+# The issue's bars (what one run must show); `bars` says which hold.
+MIN_LONG_TOOL_CALLS = 10.0
+MIN_LONG_GAIN = 0.10
+MIN_MAX_TOOL_CALLS = 30
+
+
+def eval_rows(eval_dir: Path, policy_prefix: str) -> list[dict[str, Any]]:
+  """Per (question, run) rows of the newest evaluation whose policy starts with `policy_prefix`
+  ("sft:" or "rl:")."""
+  runs = [
+    d for d in eval_dir.glob("*/")
+    if (d / "config.json").exists() and (d / "questions.csv").exists()
+    and str(json.loads((d / "config.json").read_text()).get("policy", "")).startswith(policy_prefix)
+  ]  # fmt: skip
+  if not runs:
+    return []
+  newest = max(runs, key=lambda d: (d / "questions.csv").stat().st_mtime)
+  with (newest / "questions.csv").open() as f:
+    return list(csv.DictReader(f))
+
+
+def _mean(xs: Sequence[float]) -> float:
+  return sum(xs) / len(xs) if xs else math.nan
+
+
+def by_hops(rows: Sequence[Mapping[str, Any]], hops: Mapping[str, int]) -> dict[str, Any]:
+  """Avg@k EM, mean tool calls and turns, and sample counts per hop count."""
+  groups: dict[int, list[Mapping[str, Any]]] = collections.defaultdict(list)
+  for r in rows:
+    groups[hops[r["qid"]]].append(r)
+  return {
+    str(h): {
+      "avg_em": _mean([float(r["em"]) for r in rs]),
+      "tool_calls": _mean([float(r["tool_calls"]) for r in rs]),
+      "turns": _mean([float(r["turns"]) for r in rs]),
+      "samples": len(rs),
+    }
+    for h, rs in sorted(groups.items())
+  }
+
+
+def long_stats(
+  rows: Sequence[Mapping[str, Any]], hops: Mapping[str, int], long_hops: int
+) -> dict[str, float]:
+  """Avg@k EM and mean tool calls over the questions of at least `long_hops` hops, and how many
+  evaluation episodes hit the turn or token limit."""
+  long = [r for r in rows if hops[r["qid"]] >= long_hops]
+  return {
+    # The fewest tool calls that solve them (one search per hop): the ceiling of an agent that
+    # never searches twice for a hop.
+    "min_tool_calls": _mean([float(hops[r["qid"]]) for r in long]),
+    "avg_em": _mean([float(r["em"]) for r in long]),
+    "tool_calls": _mean([float(r["tool_calls"]) for r in long]),
+    "questions": len({r["qid"] for r in long}),
+    "turn_limit": sum(r.get("finish_reason") == "turn_limit" for r in rows),
+    "token_limit": sum(r.get("finish_reason") == "token_limit" for r in rows),
+  }
+
+
+def train_distribution(rows: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
+  """Tool calls per training trajectory at each RL step: mean, p90, max (trajectories that
+  finished since the previous step, accepted or not)."""
+  out = []
+  for r in rows:
+    if "rollout/tool_calls" in r:
+      out.append({
+        "step": int(r["step"]), "mean": float(r["rollout/tool_calls"]),
+        "p90": float(r.get("rollout/tool_calls_p90", math.nan)),
+        "max": float(r.get("rollout/tool_calls_max", math.nan)),
+      })  # fmt: skip
+  return out
+
+
+def replay_buckets(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+  """Per trajectory-length bucket over the whole run: groups accepted, rejected, trained and
+  discarded (sums of the per-step windows), acceptance rate, staleness mean and max."""
+  sums: dict[str, dict[str, float]] = collections.defaultdict(
+    lambda: collections.defaultdict(float)
+  )
+  stale: dict[str, list[float]] = collections.defaultdict(list)
+  stale_max: dict[str, float] = {}
+  for r in rows:
+    for key, v in r.items():
+      if not key.startswith("replay/len_"):
+        continue
+      bucket, field = key[len("replay/len_") :].split("/", 1)
+      if field in ("accepted", "rejected", "trained", "discarded"):
+        sums[bucket][field] += float(v)
+      elif field == "staleness_mean":
+        stale[bucket].append(float(v))
+      elif field == "staleness_max":
+        stale_max[bucket] = max(stale_max.get(bucket, 0.0), float(v))
+  out = {}
+  for bucket, s in sorted(sums.items()):
+    seen = s["accepted"] + s["rejected"]
+    out[bucket] = {
+      **s, "accept_rate": s["accepted"] / seen if seen else math.nan,
+      "staleness_mean": _mean(stale[bucket]), "staleness_max": stale_max.get(bucket, math.nan),
+    }  # fmt: skip
+  return out
+
+
+def build(root: Path, *, long_hops: int) -> dict[str, Any]:
+  """The quickstart's summary plus the long-horizon figures (see the module docstring)."""
+  summary = json.loads((root / "report" / "summary.json").read_text())
+  hops = {
+    json.loads(x)["id"]: int(json.loads(x)["hops"]) for x in (root / "world" / "test.jsonl").open()
+  }
+  before = eval_rows(root / "eval", "sft:")
+  after = eval_rows(root / "eval", "rl:")
+  lb, la = long_stats(before, hops, long_hops), long_stats(after, hops, long_hops)
+  metrics = qs_report.read_metrics(root / "rl" / "metrics" / "metrics.jsonl")
+  dist = train_distribution(metrics)
+  p90 = [(d["step"], d["p90"]) for d in dist if math.isfinite(d["p90"])]
+  last = metrics[-1] if metrics else {}
+  summary.update(
+    long_hops=long_hops, long_questions=lb["questions"],
+    avg4_sft_long=lb["avg_em"], avg4_rl_long=la["avg_em"],
+    tool_calls_sft_long=lb["tool_calls"], tool_calls_rl_long=la["tool_calls"],
+    tool_calls_needed_long=lb["min_tool_calls"],
+    accuracy_by_hops_sft=by_hops(before, hops), accuracy_by_hops_rl=by_hops(after, hops),
+    train_tool_calls=dist,
+    max_tool_calls_train=max((d["max"] for d in dist if math.isfinite(d["max"])), default=0.0),
+    train_tool_calls_p90_first=qs_report.window_mean(p90, first=True),
+    train_tool_calls_p90_last=qs_report.window_mean(p90, first=False),
+    replay_buckets=replay_buckets(metrics),
+    limit_hits={
+      "train_turn_limit": float(last.get("rollout/turn_limit_trajectories", 0.0)),
+      "train_token_limit": float(last.get("rollout/token_limit_trajectories", 0.0)),
+      "train_trajectories": float(last.get("rollout/trajectories", 0.0)),
+      "eval_sft_turn_limit": lb["turn_limit"], "eval_sft_token_limit": lb["token_limit"],
+      "eval_rl_turn_limit": la["turn_limit"], "eval_rl_token_limit": la["token_limit"],
+    },
+  )  # fmt: skip
+  return summary
+
+
+def bars(s: Mapping[str, Any]) -> dict[str, bool]:
+  """Which of the issue's bars this run meets (each alone; the 2-seed bar needs two runs)."""
+  return {
+    "tool_calls_rl_long>=10": s["tool_calls_rl_long"] >= MIN_LONG_TOOL_CALLS,
+    "tool_calls_rl_long>=2x_sft": s["tool_calls_rl_long"]
+    >= max(2 * s["tool_calls_sft_long"], 1e-9),
+    "avg4_long_gain>=10pt": s["avg4_rl_long"] - s["avg4_sft_long"] >= MIN_LONG_GAIN,
+    "max_tool_calls_train>=30": s["max_tool_calls_train"] >= MIN_MAX_TOOL_CALLS,
+    "train_p90_rises": s["train_tool_calls_p90_last"] > s["train_tool_calls_p90_first"],
+    "wall_s<=2700": s["wall_s"] <= 2700,
+    "peak_rss_mb<=8192": s["peak_rss_mb"] <= 8192,
+  }
+
+
+def format_markdown(s: Mapping[str, Any]) -> str:
+  lines = [
+    "# Long-horizon SynthWiki run", "",
+    f"Held-out questions of >= {s['long_hops']} hops ({s['long_questions']} questions):", "",
+    "| | warm start | after RL |", "|---|---|---|",
+    f"| Avg@{s['k']} EM | {100 * s['avg4_sft_long']:.1f}% | {100 * s['avg4_rl_long']:.1f}% |",
+    f"| tool calls / trajectory | {s['tool_calls_sft_long']:.2f} | {s['tool_calls_rl_long']:.2f} |",
+    "", f"One search per hop solves them in {s['tool_calls_needed_long']:.2f} tool calls on average.",
+    "", "## By hop count (Avg EM, tool calls)", "", "| hops | warm start | after RL |",
+    "|---|---|---|",
+  ]  # fmt: skip
+  a, b = s["accuracy_by_hops_sft"], s["accuracy_by_hops_rl"]
+  for h in sorted({*a, *b}, key=int):
+    cells = [f"{100 * d[h]['avg_em']:.1f}%, {d[h]['tool_calls']:.1f}" if h in d else "-"
+             for d in (a, b)]  # fmt: skip
+    lines.append(f"| {h} | {cells[0]} | {cells[1]} |")
+  lines += ["", "## Tool calls per training trajectory (step: mean / p90 / max)", ""]
+  lines += [f"- {d['step']}: {d['mean']:.1f} / {d['p90']:.1f} / {d['max']:.0f}"
+            for d in s["train_tool_calls"]]  # fmt: skip
+  lines += ["", "## Replay by trajectory length", "", "```",
+            json.dumps(s["replay_buckets"], indent=1), "```", "",
+            f"Limit hits: {json.dumps(s['limit_hits'])}", "",
+            f"Bars: {json.dumps(s['bars'])}", "",
+            f"Wall time {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB.", ""]  # fmt: skip
+  return "\n".join(lines)
+
+
+def write(out: Path, summary: Mapping[str, Any]) -> None:
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+  (out / "long_horizon.md").write_text(format_markdown(summary))

@@ -1,0 +1,134 @@
+"""The long-horizon experiment: its questions need one search per hop (checked against the world
+and with the perfect scripted expert over the real BM25 server), its warm-start expert gives up
+early on long chains, and `long_horizon` runs end to end at CI size with the summary it promises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+from asearcher_jax.apps import long_horizon as lh
+from asearcher_jax.apps import quickstart as qs
+from asearcher_jax.apps.warm_start import WARM_START_OPTIMIZER, SFTStage
+from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.sft.sft import SFTConfig
+from asearcher_jax.synthwiki.expert import ExpertConfig
+from asearcher_jax.synthwiki.questions import chain_entities, hop_leaks, mentions
+from asearcher_jax.synthwiki.wiki import SynthWikiConfig, build_synthwiki
+from asearcher_jax.tokenizer import Tokenizer
+
+# ~50 entities, 8 chains per hop count from 4 to 8.
+TINY_LONG = SynthWikiConfig(
+  num_people=20, num_places=12, num_organisations=10, num_works=8,
+  questions_per_hop=(0, 0, 0, 8, 8, 8, 8, 8), num_comparisons=0, isolate_hops=True, shuffle=True,
+)  # fmt: skip
+
+
+def test_long_world_has_4_to_12_hop_chains_each_hop_isolated():
+  sw = build_synthwiki(lh.LONG_WORLD)
+  hops = {q.hops for q in sw.questions}
+  assert hops == set(range(4, 13))
+  assert {"injection", "fuzzing"} <= {op for q in sw.questions for op in q.ops}
+  assert sw.test and {q.hops for q in sw.test[:64]} >= {4, 8, 12}  # shuffled: the first mix
+  for q in sw.questions:
+    assert hop_leaks(sw.world, q) == [], q.id
+    chain = chain_entities(sw.world, q)
+    assert len(chain) == len(set(chain)) >= q.hops  # no entity twice
+    for i, eid in enumerate(chain):  # the page of each chain entity names only its successor
+      assert mentions(sw.world.entities[eid]) & set(chain) <= {*chain[i + 1 : i + 2]}
+
+
+def test_hop_leaks_flags_a_back_link():
+  sw = build_synthwiki(TINY_LONG)
+  q = sw.questions[0]
+  chain = chain_entities(sw.world, q)
+  second = sw.world.entities[chain[1]]
+  linked = dataclasses.replace(second, facts={**second.facts, "mentor": chain[0]})
+  sw.world.entities[chain[1]] = linked  # the second page now names the start
+  assert any(second.name in m for m in hop_leaks(sw.world, q))
+  unisolated = build_synthwiki(dataclasses.replace(TINY_LONG, isolate_hops=False))
+  assert any(hop_leaks(unisolated.world, x) for x in unisolated.questions)  # the rule bites
+
+
+def test_perfect_expert_searches_once_per_hop_and_the_warm_start_expert_gives_up(tmp_path):
+  sw, files = prepare_world(tmp_path / "world", TINY_LONG)
+  tok = Tokenizer.from_dir(files.tokenizer)
+  qs_ = sw.questions
+
+  def play(expert):
+    with RetrievalThread(files.index) as server:
+      return asyncio.run(generate_expert_trajectories(
+        sw.world, qs_, tokenizer=tok, retrieval_address=server.address, expert=expert,
+        agent_config=lh.LONG_AGENT, concurrency=8,
+      ))  # fmt: skip
+
+  def calls(t):
+    return t.stats()["num_search"] + t.stats()["num_access"]
+
+  perfect = play(ExpertConfig())
+  assert sum(t.score for t in perfect) >= 0.9 * len(qs_)
+  # Every hop takes its own search: the perfect expert, which notes every hop the retrieved
+  # text resolves, needs at least one tool call per hop (BM25's third result may by chance be a
+  # later page of the chain: allowed for one question in ten).
+  assert sum(calls(t) >= q.hops for q, t in zip(qs_, perfect)) >= 0.9 * len(qs_)
+  assert max(t.stats()["max_input_tokens"] for t in perfect) < lh.LONG_AGENT.max_tokens / 2
+  hasty = play(ExpertConfig(give_up_after_hops=(2, 3)))
+  for q, t in zip(qs_, hasty):
+    assert calls(t) <= 3 + 2, q.id  # gave up after at most 3 hops (+ retries)
+    assert t.pred_answer is not None and t.finish_reason == "answer"
+  assert sum(t.score for t in hasty) <= 0.3 * len(qs_)
+
+
+def test_give_up_range_is_checked():
+  with pytest.raises(ValueError, match="give_up_after_hops"):
+    ExpertConfig(give_up_after_hops=(3, 2))
+  with pytest.raises(ValueError, match="give_up_after_hops"):
+    ExpertConfig(give_up_after_hops=(0, 2))
+
+
+@pytest.mark.slow
+def test_long_horizon_ci_size_reports_every_key(tmp_path):
+  run_dir = tmp_path / "lh"
+  sft_cfg = SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
+                      progress=False)  # fmt: skip
+  warm = lh.LongWarmStart(
+    samples_per_question=1, give_up_after_hops=(2, 3),
+    sft=SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
+      WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1)),
+  )  # fmt: skip
+  # A 2-step warm start cannot answer: RL runs on the "smoke" reward (plumbing, not learning),
+  # with the agent's limits at 3 tool calls and a 1,024-token engine (one prefill shape).
+  common = dict(
+    run_dir=str(run_dir), world=TINY_LONG, warm=warm,
+    evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8),
+    rl=qs.QuickstartRL(seconds=1.0, batch_groups=1, group_size=4, max_concurrent=2,
+                       questions="train", batch_timeout_s=300.0, micro_rows=2, reward="smoke"),
+    agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=1024, max_new_tokens=32),
+    engine=EngineConfig(max_slots=8, max_seq_len=1024, prefill_buckets=(1024,)),
+    min_tool_calls=3,
+  )  # fmt: skip
+  with pytest.raises(AsearcherError, match="max_turns >= 61"):
+    lh.long_horizon(**{**common, "min_tool_calls": 30})
+  assert lh.long_horizon(**common) == 0
+  s = json.loads((run_dir / "report" / "summary.json").read_text())
+  for key in ("avg4_sft_long", "avg4_rl_long", "tool_calls_sft_long", "tool_calls_rl_long",
+              "max_tool_calls_train", "wall_s", "peak_rss_mb"):  # fmt: skip
+    assert key in s, key
+  assert s["tool_calls_needed_long"] >= 6  # the mean hop count of the >= 6-hop questions
+  assert s["rl_steps"] >= 1 and s["agent_max_turns"] >= 2 * s["min_tool_calls_allowed"] + 1
+  dist = s["train_tool_calls"]
+  assert dist and all(d["max"] >= d["p90"] >= 0 and d["max"] >= d["mean"] for d in dist)
+  assert s["max_tool_calls_train"] == max(d["max"] for d in dist)
+  assert set(s["accuracy_by_hops_sft"]) <= {str(h) for h in range(4, 9)}
+  assert sum(v["samples"] for v in s["accuracy_by_hops_sft"].values()) == 4 * 2
+  assert s["replay_buckets"] and all(b["trained"] >= 0 for b in s["replay_buckets"].values())
+  assert s["limit_hits"]["train_trajectories"] >= 4
+  assert set(s["bars"]) >= {"tool_calls_rl_long>=10", "avg4_long_gain>=10pt"}
+  assert s["warm_start_expert"]["trajectories"] > 0
+  assert (run_dir / "report" / "long_horizon.md").read_text().startswith("# Long-horizon")
