@@ -10,7 +10,8 @@
   stop    SIGTERM to every launched process
   down    delete the queued resources (and their nodes)
 
-Backends: "gcloud" (launch/gcloud.py; --dry-run prints every gcloud/ssh command and runs
+--run_dir gives the run its own directory (a sweep point runs each of its points this way:
+asearcher_jax/apps/sweep_launch.py). Backends: "gcloud" (launch/gcloud.py; --dry-run prints every gcloud/ssh command and runs
 nothing) and "local" (launch/local.py: the same roles as processes on this machine). A spec
 mistake is one line on stderr and exit status 2, before anything starts.
 """
@@ -34,6 +35,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--backend", choices=("gcloud", "local"), default="gcloud")
   p.add_argument("--experiment", help="gin experiment (overrides the spec's)")
   p.add_argument("--gin_param", action="append", default=[], help="extra binding, every role")
+  p.add_argument("--run_dir", help="the run's directory (overrides the spec's; gcloud: a path "
+                 "under the bucket instead of runs/NAME), e.g. a sweep point's own")
   p.add_argument("--commit", help="commit to install on the workers (default: HEAD's hash)")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   p.add_argument("--lines", type=int, default=50, help="logs: lines per log")
@@ -54,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       return local.main(a)
     from launch import spec as spec_lib
 
-    spec = spec_lib.load(a.spec, a.experiment)
+    spec = spec_lib.with_run_dir(spec_lib.load(a.spec, a.experiment), a.run_dir)
     commit = a.commit or (_head() if a.action == "setup" else "HEAD")
     if a.action == "logs":
       commands = gcloud.logs(spec, a.lines)

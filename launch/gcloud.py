@@ -64,7 +64,7 @@ def _bucket(spec: ClusterSpec) -> tuple[str, str]:
 
 def shared(spec: ClusterSpec) -> str:
   """The run's directory on the bucket mount (run dir, address files, weights store)."""
-  return f"{spec.mount}/{_bucket(spec)[1]}runs/{spec.name}"
+  return f"{spec.mount}/{_bucket(spec)[1]}{spec.run_dir or 'runs/' + spec.name}"
 
 
 def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
