@@ -35,8 +35,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--backend", choices=("gcloud", "local"), default="gcloud")
   p.add_argument("--experiment", help="gin experiment (overrides the spec's)")
   p.add_argument("--gin_param", action="append", default=[], help="extra binding, every role")
-  p.add_argument("--run_dir", help="the run's directory (overrides the spec's; gcloud: a path "
-                 "under the bucket instead of runs/NAME), e.g. a sweep point's own")
+  p.add_argument(
+    "--run_dir",
+    help="the run's directory (overrides the spec's; gcloud: a path "
+    "under the bucket instead of runs/NAME), e.g. a sweep point's own",
+  )
   p.add_argument("--commit", help="commit to install on the workers (default: HEAD's hash)")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   p.add_argument("--lines", type=int, default=50, help="logs: lines per log")

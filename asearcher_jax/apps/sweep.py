@@ -2,7 +2,7 @@
 its own run directory, and one results table merged from their summaries and metrics.
 
 A sweep file binds `sweeping.sweep.*` (see gin/sweeps/quickstart_ci.gin):
-  command        the subcommand every point runs ("train", "quickstart", ...)
+  command        the subcommand every point runs ("train", "quickstart", ...; default "train")
   gin_files      the experiment (and overlays) every point starts from
   grid           {binding: (gin literal, ...)}: the cartesian product of the values
   points         ({binding: gin literal, ...}, ...): explicit points, after the grid's
@@ -14,7 +14,14 @@ that crashes does not take the sweep with it), and leaves in its run directory `
 summary exists is not run again, so an interrupted sweep resumes. The table (`results.md`,
 `results.jsonl` under root) has one row per point: its bindings, then the chosen metrics from
 summary.json and from the last row of metrics/metrics.jsonl ("last/" prefix) when there is one.
-Running the points through `launch/` (one slice set per point) is not wired in yet.
+
+With `launch_spec` (a launch TOML spec) every point is instead a launched run of that spec on
+`launch_backend` ("local": the roles as processes on this machine; "gcloud": the spec's slices,
+already up and set up, reused point after point): `python -m launch start --run_dir D` with the
+point's bindings as --gin_param, a wait for the trainer's end, `stop`, and the trainer's summary
+from `logs` (asearcher_jax/apps/sweep_launch.py; gin/sweeps/recipe_tiny_launch.gin and
+asearcher_local_7b_v5p.gin). A point whose launch fails is a failed row and the sweep goes on.
+`dry_run` prints every point's commands and runs nothing.
 """
 
 from __future__ import annotations
@@ -119,7 +126,7 @@ def table(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
 
 def sweep(
   *,
-  command: str,
+  command: str = "train",
   gin_files: Sequence[str] = (),
   grid: Mapping[str, Sequence[str]] | None = None,
   points: Sequence[Mapping[str, str]] = (),
@@ -144,7 +151,7 @@ def sweep(
     metrics: columns of the table after the bindings; () = every scalar of the first summary.
     timeout_s: longest run of one point (with launch_spec: from `start` to the trainer's end).
     launch_spec: a launch TOML spec (launch/specs/*.toml): every point runs as a launched run
-      of it (its trainer, servers and retrieval server; `command` is then unused), see
+      of it (its trainer, servers and retrieval server; `command` must be "train"), see
       asearcher_jax/apps/sweep_launch.py. None: every point is a local process.
     launch_backend: "local" or "gcloud" (the spec's slices, already `up` and `setup`).
     dry_run: print every point's commands and run nothing.
@@ -154,6 +161,8 @@ def sweep(
     raise AsearcherError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
   out = Path(root)
   if launch_spec is not None:  # a mistake is one line before any point starts
+    if command != "train":
+      raise AsearcherError(f"sweeping.sweep.command: a launched point runs train, not {command!r}")
     sweep_launch.launch_point(launch_spec, launch_backend, out, "p00", [])
   rows = []
   for i, point in enumerate(todo):
