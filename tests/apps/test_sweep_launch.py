@@ -148,9 +148,26 @@ def test_one_local_launched_point_lands_in_the_table(tmp_path, monkeypatch):
     launched = json.loads((point / "launch.json").read_text())["extra"]
     assert "staleness.StalenessConfig.max_staleness=4" in launched
     assert json.loads((point / "summary.json").read_text())["version"] == 1
+    op = (point / "train" / "operative_config.gin").read_text()  # the point's own config
+    assert "StalenessConfig.max_staleness = 4" in op and "TrainConfig.train_steps = 1" in op
   finally:
     left = [p for p in psutil.process_iter(["cmdline"])
             if str(root) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
   assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left
   rc, out, _ = sweep(TINY_SWEEP, *params)
   assert rc == 0 and "| done before |" in out
+
+
+def test_dry_run_of_local_process_points(tmp_path):
+  """Without launch_spec a dry run prints each point's `asearcher` process and runs nothing."""
+  root = tmp_path / "q"
+  rc, out, _ = sweep("gin/sweeps/quickstart_ci.gin", f'sweeping.sweep.root="{root}"',
+                     "sweeping.sweep.dry_run=True")  # fmt: skip
+  lines = out.splitlines()
+  assert rc == 0 and len(lines) == 4 and not root.exists()
+  argv = shlex.split(lines[3].split(": ", 2)[2])
+  assert argv[:4] == [sys.executable, "-m", "asearcher_jax.main", "quickstart"]
+  assert "--gin_param=pipeline.QuickstartRL.max_staleness=4" in argv
+  assert (
+    f"--operative_config={root}/p03-learning_rate=3e-4-max_staleness=4/operative_config.gin" in argv
+  )
