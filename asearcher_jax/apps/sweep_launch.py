@@ -10,7 +10,7 @@ never imports the top-level `launch` package; .importlinter forbids it):
           gcloud: `status` every POLL_S["gcloud"] seconds until no trainer process is alive
           (gcloud cannot report the trainer's exit code: a point without a summary failed)
   stop    always, also after a failed start or a timeout (nothing is left running)
-  logs    `--lines 1`: the trainer's last log line is its JSON summary
+  logs    `--lines 5`: the trainer's last JSON line is its summary
 Every launch call and the wait have timeouts. The run directory D is the point's own directory
 with the local backend (the trainer's metrics land in D/train/metrics), and
 sweeps/<sweep root's name>/<point> under the spec's bucket with gcloud.
@@ -18,6 +18,7 @@ sweeps/<sweep root's name>/<point> under the spec's bucket with gcloud.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,6 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 CALL_TIMEOUT_S = 900.0
 # How often the wait looks at the run.
 POLL_S = {"local": 1.0, "gcloud": 60.0}
+# Lines of each log `logs` returns: the trainer's summary is its last JSON line.
+LOG_LINES = 5
 _TRAINER_ALIVE = re.compile(r"\btrainer(-\d+)? \d+ alive\b")
 
 
@@ -70,7 +73,7 @@ def argv(p: LaunchPoint, action: str) -> list[str]:
   if action == "start":
     out += [f"--gin_param={b}" for b in p.gin_params]
   if action == "logs":
-    out += ["--lines", "1"]
+    out += ["--lines", str(LOG_LINES)]
   return out
 
 
@@ -130,17 +133,18 @@ def _alive(pid: int) -> bool:
 
 
 def _summary(logs: str) -> dict | None:
-  """The last JSON line of the first trainer log in `launch logs` output."""
-  trainer = False
+  """The last JSON line in the first trainer log of `launch logs` output (its summary; a few
+  shutdown log lines may follow it)."""
+  found, trainer = None, False
   for line in logs.splitlines():
     if line.startswith("==> "):
+      if found is not None:
+        break
       trainer = "trainer" in line
     elif trainer and line.startswith("{"):
-      try:
-        return json.loads(line)
-      except json.JSONDecodeError:
-        return None
-  return None
+      with contextlib.suppress(json.JSONDecodeError):
+        found = json.loads(line)
+  return found
 
 
 def run(p: LaunchPoint, point_dir: Path, timeout_s: float) -> tuple[dict | None, str]:

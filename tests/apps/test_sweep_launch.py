@@ -67,7 +67,7 @@ def test_gcloud_dry_run_prints_every_points_launch_commands(tmp_path):
     f"sweep: {p01}: {head} status {where}  # every 60 s until no trainer process is alive "
     "(at most 86400 s)",
     f"sweep: {p01}: {head} stop {where}",
-    f"sweep: {p01}: {head} logs {where} --lines 1",
+    f"sweep: {p01}: {head} logs {where} --lines 5",
   ]
   # The launcher's own dry run of that start: the trainer on every v5p-32 worker gets the
   # point's bindings and the point's run directory on the bucket mount.
@@ -111,6 +111,25 @@ def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_pa
   assert "unknown key(s) servers" in log and " stop " in log  # stopped even so
 
 
+def test_a_point_past_its_timeout_is_stopped_and_leaves_nothing(tmp_path, monkeypatch):
+  """timeout_s = 5: the wait gives up while the roles still start; `stop` ends every process."""
+  monkeypatch.setenv("XLA_FLAGS", "")
+  spec = tmp_path / "spec.toml"
+  spec.write_text(SPEC_1X1)
+  root = tmp_path / "sweep"
+  rc, out, _ = sweep(TINY_SWEEP, f'sweeping.sweep.root="{root}"',
+                     f'sweeping.sweep.launch_spec="{spec}"', "sweeping.sweep.timeout_s=5",
+                     'sweeping.sweep.points=({"rollout.RolloutConfig.group_size": "2"},)',
+                     'sweeping.sweep.grid={}')  # fmt: skip
+  assert rc == 1 and out.count("| timed out after 5 s |") == 1
+  point = root / "p00-group_size=2"
+  pids = [json.loads(f.read_text())["pid"] for f in (point / "pids").glob("*.json")]
+  assert len(pids) == 3  # retrieval, serve-0, trainer-0 were started
+  left = [p for p in psutil.process_iter(["cmdline"])
+          if str(root) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+  assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left
+
+
 def test_status_and_logs_parsing_of_both_backends():
   alive = sweep_launch._TRAINER_ALIVE.search
   assert alive("t-w-0 trainer 812 alive\nt-w-0 retrieval 700 alive")  # gcloud
@@ -119,6 +138,8 @@ def test_status_and_logs_parsing_of_both_backends():
   logs = ('==> /home/u/asearcher_run/logs/serve.log <==\n{"not": "this"}\n'
           '==> /home/u/asearcher_run/logs/trainer.log <==\n{"version": 7}\n')  # fmt: skip
   assert sweep_launch._summary(logs) == {"version": 7}
+  shutdown = '{"version": 7}\nINFO jax: shutting down\n==> trainer-1.log <==\n{"version": 8}\n'
+  assert sweep_launch._summary("==> trainer-0.log <==\n{}\n" + shutdown) == {"version": 7}
   assert sweep_launch._summary("==> trainer-0.log <==\nTraceback ...\n") is None
 
 
