@@ -173,10 +173,15 @@ def logs(spec: ClusterSpec, lines: int = 50) -> list[Command]:
   return [_ssh(spec, s, "all", script) for s in spec.slices]
 
 
-def stop(spec: ClusterSpec) -> list[Command]:
-  """SIGTERM to every process the launcher started (its pid files), then their pid files go."""
-  script = (f"for f in {RUN}/pids/*.pid; do [ -e \"$f\" ] && kill \"$(cat \"$f\")\" "
-            f"2>/dev/null; rm -f \"$f\"; done; true")  # fmt: skip
+def stop(spec: ClusterSpec, grace_s: int = 60) -> list[Command]:
+  """SIGTERM to every process the launcher started (its pid files; then the files go), a wait
+  of at most `grace_s` for them to exit, SIGKILL to any left: when `stop` returns the ports are
+  free for the next `start` (a sweep's next point on the same slices)."""
+  script = (f"ps=; for f in {RUN}/pids/*.pid; do [ -e \"$f\" ] || continue; p=$(cat \"$f\"); "
+            f"kill \"$p\" 2>/dev/null; ps=\"$ps $p\"; rm -f \"$f\"; done; "
+            f"for i in $(seq {grace_s}); do a=; for p in $ps; do kill -0 \"$p\" 2>/dev/null "
+            f"&& a=1; done; [ -z \"$a\" ] && break; sleep 1; done; "
+            f"for p in $ps; do kill -9 \"$p\" 2>/dev/null; done; true")  # fmt: skip
   return [_ssh(spec, s, "all", script) for s in spec.slices]
 
 
