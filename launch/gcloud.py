@@ -185,6 +185,18 @@ def stop(spec: ClusterSpec, grace_s: int = 60) -> list[Command]:
   return [_ssh(spec, s, "all", script) for s in spec.slices]
 
 
+def fetch(spec: ClusterSpec, to: str) -> list[Command]:
+  """The run's last metrics and operative config from the bucket into the local directory `to`
+  (a sweep's point directory: its table reads `to`/metrics/metrics.jsonl)."""
+  train = f"{spec.bucket}/{spec.run_dir or 'runs/' + spec.name}/train"
+  return [
+    Command(argv=("gcloud", "storage", "cp", f"{train}/metrics/metrics.jsonl",
+                  f"{to}/metrics/metrics.jsonl")),
+    Command(argv=("gcloud", "storage", "cp", f"{train}/operative_config.gin",
+                  f"{to}/operative_config.gin")),
+  ]  # fmt: skip
+
+
 def down(spec: ClusterSpec) -> list[Command]:
   return [
     Command(argv=("gcloud", "compute", "tpus", "queued-resources", "delete", s.name,

@@ -18,8 +18,8 @@ summary.json and from the last row of metrics/metrics.jsonl ("last/" prefix) whe
 With `launch_spec` (a launch TOML spec) every point is instead a launched run of that spec on
 `launch_backend` ("local": the roles as processes on this machine; "gcloud": the spec's slices,
 already up and set up, reused point after point): `python -m launch start --run_dir D` with the
-point's bindings as --gin_param, a wait for the trainer's end, `stop`, and the trainer's summary
-from `logs` (asearcher_jax/apps/sweep_launch.py; gin/sweeps/recipe_tiny_launch.gin and
+point's bindings as --gin_param, a wait for the trainer's end, `stop`, the trainer's summary
+from `logs` and (gcloud) its metrics from `fetch` (asearcher_jax/apps/sweep_launch.py; gin/sweeps/recipe_tiny_launch.gin and
 asearcher_local_7b_v5p.gin). A point whose launch fails is a failed row and the sweep goes on.
 `dry_run` prints every point's commands and runs nothing.
 """

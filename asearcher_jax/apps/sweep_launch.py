@@ -11,6 +11,7 @@ never imports the top-level `launch` package; .importlinter forbids it):
           (gcloud cannot report the trainer's exit code: a point without a summary failed)
   stop    always, also after a failed start or a timeout (nothing is left running)
   logs    `--lines 5`: the trainer's last JSON line is its summary
+  fetch   gcloud: the run's metrics and operative config from the bucket into the point's dir
 Every launch call and the wait have timeouts. The run directory D is the point's own directory
 with the local backend (the trainer's metrics land in D/train/metrics), and
 sweeps/<sweep root's name>/<point> under the spec's bucket with gcloud.
@@ -54,6 +55,8 @@ class LaunchPoint:
   run_dir: str
   # The sweep's and the point's bindings, passed to every role.
   gin_params: tuple[str, ...]
+  # The point's directory on this machine (gcloud: `fetch` copies the run's metrics into it).
+  local_dir: str
 
 
 def launch_point(spec: str, backend: str, root: Path, name: str, params: list[str]) -> LaunchPoint:
@@ -63,7 +66,7 @@ def launch_point(spec: str, backend: str, root: Path, name: str, params: list[st
     raise AsearcherError(f"sweeping.sweep.launch_spec: no such file {spec!r}")
   run_dir = str((root / name).resolve()) if backend == "local" else f"sweeps/{root.name}/{name}"
   return LaunchPoint(spec=str(Path(spec).resolve()), backend=backend, run_dir=run_dir,
-                     gin_params=tuple(params))  # fmt: skip
+                     gin_params=tuple(params), local_dir=str(root / name))  # fmt: skip
 
 
 def argv(p: LaunchPoint, action: str) -> list[str]:
@@ -74,6 +77,8 @@ def argv(p: LaunchPoint, action: str) -> list[str]:
     out += [f"--gin_param={b}" for b in p.gin_params]
   if action == "logs":
     out += ["--lines", str(LOG_LINES)]
+  if action == "fetch":
+    out += ["--to", p.local_dir]
   return out
 
 
@@ -84,8 +89,10 @@ def plan(p: LaunchPoint, timeout_s: float) -> list[str]:
   else:
     wait = (f"{shlex.join(argv(p, 'status'))}  # every {POLL_S['gcloud']:g} s until no trainer "
             f"process is alive (at most {timeout_s:g} s)")  # fmt: skip
-  return [shlex.join(argv(p, "start")), wait, shlex.join(argv(p, "stop")),
-          shlex.join(argv(p, "logs"))]  # fmt: skip
+  out = [shlex.join(argv(p, a)) for a in ("start", "stop", "logs")]
+  return [out[0], wait, *out[1:]] + (
+    [shlex.join(argv(p, "fetch"))] if p.backend == "gcloud" else []
+  )
 
 
 def _call(p: LaunchPoint, action: str, log) -> tuple[int, str]:
@@ -171,6 +178,8 @@ def run(p: LaunchPoint, point_dir: Path, timeout_s: float) -> tuple[dict | None,
   summary = _summary(out) if rc == 0 else None
   if summary is None:
     return None, f"no summary (the trainer's log ends without one; see {point_dir / 'sweep.log'})"
+  if p.backend == "gcloud":  # the last metrics row for the table; a failed copy only loses it
+    _call(p, "fetch", log)
   summary.setdefault("sweep_wall_s", round(time.monotonic() - t0, 1))
   (point_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary, "ran"

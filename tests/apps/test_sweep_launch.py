@@ -57,21 +57,22 @@ def test_gcloud_dry_run_prints_every_points_launch_commands(tmp_path):
   assert rc == 0 and not root.exists()  # nothing run, nothing written
   spec = REPO / "launch" / "specs" / "v5p_local_7b.toml"
   lines = out.splitlines()
-  assert len(lines) == 4 * 4
+  assert len(lines) == 4 * 5
   p01 = "p01-learning_rate=5e-6-max_staleness=4"
   head = f"{sys.executable} -m launch"
   where = f"--backend gcloud --spec {spec} --run_dir sweeps/v5p/{p01}"
-  assert lines[4:8] == [
+  assert lines[5:10] == [
     f"sweep: {p01}: {head} start {where} --gin_param=steps.OptimizerConfig.learning_rate=5e-6 "
     "--gin_param=staleness.StalenessConfig.max_staleness=4",
     f"sweep: {p01}: {head} status {where}  # every 60 s until no trainer process is alive "
     "(at most 86400 s)",
     f"sweep: {p01}: {head} stop {where}",
     f"sweep: {p01}: {head} logs {where} --lines 5",
+    f"sweep: {p01}: {head} fetch {where} --to {root / p01}",
   ]
   # The launcher's own dry run of that start: the trainer on every v5p-32 worker gets the
   # point's bindings and the point's run directory on the bucket mount.
-  start = shlex.split(lines[4].split(": ", 2)[2])[3:]
+  start = shlex.split(lines[5].split(": ", 2)[2])[3:]
   printed = io.StringIO()
   with contextlib.redirect_stdout(printed):
     assert launch_cli.main([*start, "--dry-run"]) == 0
@@ -82,6 +83,16 @@ def test_gcloud_dry_run_prints_every_points_launch_commands(tmp_path):
   for c in trainers:
     assert "staleness.StalenessConfig.max_staleness=4" in c
     assert f"/mnt/asearcher/sweeps/v5p/{p01}/train" in c
+  # Its fetch: the point's metrics and operative config from the bucket into its local dir.
+  fetch = shlex.split(lines[9].split(": ", 2)[2])[3:]
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert launch_cli.main([*fetch, "--dry-run"]) == 0
+  train = f"gs://my-bucket/sweeps/v5p/{p01}/train"
+  assert printed.getvalue().splitlines() == [
+    f"gcloud storage cp {train}/metrics/metrics.jsonl {root / p01}/metrics/metrics.jsonl",
+    f"gcloud storage cp {train}/operative_config.gin {root / p01}/operative_config.gin",
+  ]
   err = io.StringIO()
   with contextlib.redirect_stderr(err):
     assert launch_cli.main([*start[:5], "--run_dir", "/abs", "--dry-run"]) == 2
