@@ -8,7 +8,8 @@ never imports the top-level `launch` package; .importlinter forbids it):
   start   with the point's bindings as --gin_param
   wait    local: until the supervisor writes supervisor.done (the run's exit code) under D;
           gcloud: `status` every POLL_S["gcloud"] seconds until no trainer process is alive
-          (gcloud cannot report the trainer's exit code: a point without a summary failed)
+          (gcloud cannot report the trainer's exit code: a point without a summary failed;
+          STATUS_FAILURES failed `status` calls in a row, e.g. a preempted slice, fail it)
   stop    always, also after a failed start or a timeout (nothing is left running)
   logs    `--lines 5`: the trainer's last JSON line is its summary
   fetch   gcloud: the run's metrics and operative config from the bucket into the point's dir
@@ -38,6 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 CALL_TIMEOUT_S = 900.0
 # How often the wait looks at the run.
 POLL_S = {"local": 1.0, "gcloud": 60.0}
+# Consecutive failed `status` calls (gcloud) after which a point is given up (its slices gone).
+STATUS_FAILURES = 3
 # Lines of each log `logs` returns: the trainer's summary is its last JSON line.
 LOG_LINES = 5
 _TRAINER_ALIVE = re.compile(r"\btrainer(-\d+)? \d+ alive\b")
@@ -110,7 +113,7 @@ def _call(p: LaunchPoint, action: str, log) -> tuple[int, str]:
 
 def _wait(p: LaunchPoint, log, deadline: float) -> str | None:
   """Until the run's trainer ended; None, or why the point failed."""
-  done = Path(p.run_dir) / "supervisor.done"
+  done, failures = Path(p.run_dir) / "supervisor.done", 0
   while time.monotonic() < deadline:
     if p.backend == "local":
       if done.exists():
@@ -125,6 +128,9 @@ def _wait(p: LaunchPoint, log, deadline: float) -> str | None:
       rc, out = _call(p, "status", log)
       if rc == 0 and not _TRAINER_ALIVE.search(out):
         return None
+      failures = failures + 1 if rc else 0
+      if failures == STATUS_FAILURES:  # a slice preempted or gone, not a passing ssh hiccup
+        return f"launch status failed {failures} times in a row (see {p.local_dir}/sweep.log)"
     time.sleep(POLL_S[p.backend])
   return "timed out"
 

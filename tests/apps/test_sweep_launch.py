@@ -11,6 +11,7 @@ import io
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import gin
@@ -203,3 +204,25 @@ def test_dry_run_of_local_process_points(tmp_path):
   assert (
     f"--operative_config={root}/p03-learning_rate=3e-4-max_staleness=4/operative_config.gin" in argv
   )
+
+
+def test_gcloud_wait_ends_with_the_trainer_or_after_repeated_status_failures(monkeypatch, tmp_path):
+  """The gcloud wait on `status` output as launch prints it (gcloud itself cannot run here):
+  done once no trainer process is alive; a passing failure is retried, three in a row (slices
+  preempted or deleted) fail the point; the deadline bounds it all."""
+  monkeypatch.setitem(sweep_launch.POLL_S, "gcloud", 0.0)
+  p = sweep_launch.LaunchPoint(spec="s.toml", backend="gcloud", run_dir="sweeps/x/p00",
+                               gin_params=(), local_dir=str(tmp_path))  # fmt: skip
+
+  def wait_on(answers: list[tuple[int, str]], deadline_s: float = 30.0):
+    calls = iter(answers)
+    monkeypatch.setattr(sweep_launch, "_call", lambda p, action, log: next(calls))
+    return sweep_launch._wait(p, None, time.monotonic() + deadline_s)
+
+  running = (0, "ACTIVE\nw0 trainer 812 alive\nw0 retrieval 700 alive\n")
+  over = (0, "ACTIVE\nw0 trainer 812 dead\nw0 retrieval 700 alive\n")
+  assert wait_on([running, (1, ""), running, over]) is None
+  why = wait_on([running, (1, ""), (1, ""), (1, ""), running])
+  assert why is not None and why.startswith("launch status failed 3 times in a row")
+  monkeypatch.setitem(sweep_launch.POLL_S, "gcloud", 0.05)
+  assert wait_on([running] * 1000, deadline_s=0.2) == "timed out"
