@@ -7,10 +7,13 @@
           worker (jax.distributed environment), servers found through address files
   status  queued-resource states and which launched processes are alive
   logs    the tail of every process's log
+  fetch   gcloud: the run's metrics and operative config from the bucket into --to DIR (the
+          local backend's run dir is already on this machine)
   stop    SIGTERM to every launched process
   down    delete the queued resources (and their nodes)
 
-Backends: "gcloud" (launch/gcloud.py; --dry-run prints every gcloud/ssh command and runs
+--run_dir gives the run its own directory (a sweep point runs each of its points this way:
+asearcher_jax/apps/sweep_launch.py). Backends: "gcloud" (launch/gcloud.py; --dry-run prints every gcloud/ssh command and runs
 nothing) and "local" (launch/local.py: the same roles as processes on this machine). A spec
 mistake is one line on stderr and exit status 2, before anything starts.
 """
@@ -21,6 +24,7 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from launch import gcloud
 from launch.spec import SpecError
@@ -29,11 +33,17 @@ from launch.spec import SpecError
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m launch", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-  p.add_argument("action", choices=gcloud.ACTIONS)
+  p.add_argument("action", choices=(*gcloud.ACTIONS, "fetch"))
   p.add_argument("--spec", required=True, help="cluster spec (TOML; launch/specs/*.toml)")
   p.add_argument("--backend", choices=("gcloud", "local"), default="gcloud")
   p.add_argument("--experiment", help="gin experiment (overrides the spec's)")
   p.add_argument("--gin_param", action="append", default=[], help="extra binding, every role")
+  p.add_argument(
+    "--run_dir",
+    help="the run's directory (overrides the spec's; gcloud: a path "
+    "under the bucket instead of runs/NAME), e.g. a sweep point's own",
+  )
+  p.add_argument("--to", help="fetch: the local directory the run's metrics are copied into")
   p.add_argument("--commit", help="commit to install on the workers (default: HEAD's hash)")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   p.add_argument("--lines", type=int, default=50, help="logs: lines per log")
@@ -54,10 +64,16 @@ def main(argv: Sequence[str] | None = None) -> int:
       return local.main(a)
     from launch import spec as spec_lib
 
-    spec = spec_lib.load(a.spec, a.experiment)
+    spec = spec_lib.with_run_dir(spec_lib.load(a.spec, a.experiment), a.run_dir)
     commit = a.commit or (_head() if a.action == "setup" else "HEAD")
     if a.action == "logs":
       commands = gcloud.logs(spec, a.lines)
+    elif a.action == "fetch":
+      if not a.to:
+        raise SpecError("fetch needs --to DIR")
+      commands = gcloud.fetch(spec, a.to)
+      if not a.dry_run:
+        Path(a.to, "metrics").mkdir(parents=True, exist_ok=True)
     else:
       commands = gcloud.plan(spec, a.action, commit=commit, gin_params=tuple(a.gin_param))
   except SpecError as e:

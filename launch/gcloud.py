@@ -64,7 +64,7 @@ def _bucket(spec: ClusterSpec) -> tuple[str, str]:
 
 def shared(spec: ClusterSpec) -> str:
   """The run's directory on the bucket mount (run dir, address files, weights store)."""
-  return f"{spec.mount}/{_bucket(spec)[1]}runs/{spec.name}"
+  return f"{spec.mount}/{_bucket(spec)[1]}{spec.run_dir or 'runs/' + spec.name}"
 
 
 def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
@@ -173,11 +173,28 @@ def logs(spec: ClusterSpec, lines: int = 50) -> list[Command]:
   return [_ssh(spec, s, "all", script) for s in spec.slices]
 
 
-def stop(spec: ClusterSpec) -> list[Command]:
-  """SIGTERM to every process the launcher started (its pid files), then their pid files go."""
-  script = (f"for f in {RUN}/pids/*.pid; do [ -e \"$f\" ] && kill \"$(cat \"$f\")\" "
-            f"2>/dev/null; rm -f \"$f\"; done; true")  # fmt: skip
+def stop(spec: ClusterSpec, grace_s: int = 60) -> list[Command]:
+  """SIGTERM to every process the launcher started (its pid files; then the files go), a wait
+  of at most `grace_s` for them to exit, SIGKILL to any left: when `stop` returns the ports are
+  free for the next `start` (a sweep's next point on the same slices)."""
+  script = (f"ps=; for f in {RUN}/pids/*.pid; do [ -e \"$f\" ] || continue; p=$(cat \"$f\"); "
+            f"kill \"$p\" 2>/dev/null; ps=\"$ps $p\"; rm -f \"$f\"; done; "
+            f"for i in $(seq {grace_s}); do a=; for p in $ps; do kill -0 \"$p\" 2>/dev/null "
+            f"&& a=1; done; [ -z \"$a\" ] && break; sleep 1; done; "
+            f"for p in $ps; do kill -9 \"$p\" 2>/dev/null; done; true")  # fmt: skip
   return [_ssh(spec, s, "all", script) for s in spec.slices]
+
+
+def fetch(spec: ClusterSpec, to: str) -> list[Command]:
+  """The run's last metrics and operative config from the bucket into the local directory `to`
+  (a sweep's point directory: its table reads `to`/metrics/metrics.jsonl)."""
+  train = f"{spec.bucket}/{spec.run_dir or 'runs/' + spec.name}/train"
+  return [
+    Command(argv=("gcloud", "storage", "cp", f"{train}/metrics/metrics.jsonl",
+                  f"{to}/metrics/metrics.jsonl")),
+    Command(argv=("gcloud", "storage", "cp", f"{train}/operative_config.gin",
+                  f"{to}/operative_config.gin")),
+  ]  # fmt: skip
 
 
 def down(spec: ClusterSpec) -> list[Command]:

@@ -231,7 +231,12 @@ def pids(run: Path) -> dict[str, int]:
 
 def main(a) -> int:
   spec = load(a.spec, a.experiment)
+  if a.run_dir:  # a sweep point's own directory
+    spec = dataclasses.replace(spec, run_dir=a.run_dir)
   run = (REPO / spec.run_dir) if not Path(spec.run_dir).is_absolute() else Path(spec.run_dir)
+  if a.action == "fetch":
+    print(f"launch fetch: the run dir {run} is on this machine already")
+    return 0
   if a.action in ("up", "setup", "down"):
     print(f"launch {a.action}: the local backend has nothing to provision")
     return 0

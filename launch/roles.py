@@ -5,7 +5,8 @@ and serve-retrieval; see gin/experiments/*.gin):
   retrieval  `asearcher serve-retrieval` (local tools; web recipes use API keys instead),
   serving    `asearcher serve-model` per serving host: announces itself in an address file and
              loads every version the trainer publishes to the weights store,
-  trainer    `asearcher train` per trainer worker with remote engines: the rollout controller
+  trainer    `asearcher train` per trainer worker with remote engines (gin's operative config of
+             the run lands in its run dir at the end): the rollout controller
              learns the servers from the address files; jax.distributed gets its coordinator,
              process count and id from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
              JAX_PROCESS_ID.
@@ -81,6 +82,7 @@ def trainer_argv(layout: Layout) -> list[str]:
   args = [
     *layout.asearcher, "train", *_gin(layout),
     f"--gin_param=commands.train.run_dir={_q(layout.run_dir)}",
+    f"--operative_config={layout.run_dir}/operative_config.gin",
     f"--gin_param=train_config.RemoteEnginesConfig.address_files=({files},)",
     f"--gin_param=train_config.RemoteEnginesConfig.weights_dir={_q(layout.weights_dir)}",
   ]  # fmt: skip

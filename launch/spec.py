@@ -150,6 +150,9 @@ class ClusterSpec:
   # Where the bucket is mounted on every worker (gcsfuse): the shared directory for the run dir,
   # address files and the weights store.
   mount: str = "/mnt/asearcher"
+  # The run's directory under the bucket (None: runs/<name>); `--run_dir` sets it, so that runs
+  # one after another on the same slices (a sweep's points) keep their own run dirs.
+  run_dir: str | None = None
 
   @property
   def chip(self) -> Chip:
@@ -234,6 +237,15 @@ def from_dict(
     provisioning=provisioning, tools=tools, trainer=trainer, serving=serving,
     mount=_str(d, "mount", source, "/mnt/asearcher"), **ports,
   )  # fmt: skip
+
+
+def with_run_dir(spec: ClusterSpec, run_dir: str | None) -> ClusterSpec:
+  """`spec` with the run directory `run_dir` (relative to the bucket; None: unchanged)."""
+  if run_dir is None:
+    return spec
+  if not run_dir or run_dir.startswith("/") or ".." in Path(run_dir).parts:
+    raise SpecError(f"--run_dir: {run_dir!r} must be a relative path under {spec.bucket}")
+  return dataclasses.replace(spec, run_dir=run_dir.strip("/"))
 
 
 def load(path: str | Path, experiment: str | None = None) -> ClusterSpec:

@@ -2,7 +2,7 @@
 its own run directory, and one results table merged from their summaries and metrics.
 
 A sweep file binds `sweeping.sweep.*` (see gin/sweeps/quickstart_ci.gin):
-  command        the subcommand every point runs ("train", "quickstart", ...)
+  command        the subcommand every point runs ("train", "quickstart", ...; default "train")
   gin_files      the experiment (and overlays) every point starts from
   grid           {binding: (gin literal, ...)}: the cartesian product of the values
   points         ({binding: gin literal, ...}, ...): explicit points, after the grid's
@@ -14,7 +14,14 @@ that crashes does not take the sweep with it), and leaves in its run directory `
 summary exists is not run again, so an interrupted sweep resumes. The table (`results.md`,
 `results.jsonl` under root) has one row per point: its bindings, then the chosen metrics from
 summary.json and from the last row of metrics/metrics.jsonl ("last/" prefix) when there is one.
-Running the points through `launch/` (one slice set per point) is not wired in yet.
+
+With `launch_spec` (a launch TOML spec) every point is instead a launched run of that spec on
+`launch_backend` ("local": the roles as processes on this machine; "gcloud": the spec's slices,
+already up and set up, reused point after point): `python -m launch start --run_dir D` with the
+point's bindings as --gin_param, a wait for the trainer's end, `stop`, the trainer's summary
+from `logs` and (gcloud) its metrics from `fetch` (asearcher_jax/apps/sweep_launch.py; gin/sweeps/recipe_tiny_launch.gin and
+asearcher_local_7b_v5p.gin). A point whose launch fails is a failed row and the sweep goes on.
+`dry_run` prints every point's commands and runs nothing.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from asearcher_jax.apps import sweep_launch
 from asearcher_jax.errors import AsearcherError
 
 
@@ -96,9 +105,11 @@ def row_of(run_dir: Path, point: Mapping[str, str], summary: dict | None, status
   row = {"point": run_dir.name, **{k.rsplit(".", 1)[-1]: v for k, v in point.items()},
          "status": status}  # fmt: skip
   row.update(_scalars(summary or {}))
-  metrics = run_dir / "metrics" / "metrics.jsonl"
-  if metrics.exists() and (lines := metrics.read_text().strip().splitlines()):
-    row.update(_scalars(json.loads(lines[-1]), "last/"))
+  for metrics in (run_dir / "metrics" / "metrics.jsonl",  # a launched point's trainer: train/
+                  run_dir / "train" / "metrics" / "metrics.jsonl"):  # fmt: skip
+    if metrics.exists() and (lines := metrics.read_text().strip().splitlines()):
+      row.update(_scalars(json.loads(lines[-1]), "last/"))
+      break
   return row
 
 
@@ -115,7 +126,7 @@ def table(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
 
 def sweep(
   *,
-  command: str,
+  command: str = "train",
   gin_files: Sequence[str] = (),
   grid: Mapping[str, Sequence[str]] | None = None,
   points: Sequence[Mapping[str, str]] = (),
@@ -124,6 +135,9 @@ def sweep(
   metrics: Sequence[str] = (),
   gin_params: Sequence[str] = (),
   timeout_s: float = 7200.0,
+  launch_spec: str | None = None,
+  launch_backend: str = "local",
+  dry_run: bool = False,
 ) -> int:
   """Runs every point and prints the merged table; 1 if any point failed.
 
@@ -135,12 +149,21 @@ def sweep(
       its outputs are still kept there).
     root: where the points' run directories and the results go.
     metrics: columns of the table after the bindings; () = every scalar of the first summary.
-    timeout_s: longest run of one point.
+    timeout_s: longest run of one point (with launch_spec: from `start` to the trainer's end).
+    launch_spec: a launch TOML spec (launch/specs/*.toml): every point runs as a launched run
+      of it (its trainer, servers and retrieval server; `command` must be "train"), see
+      asearcher_jax/apps/sweep_launch.py. None: every point is a local process.
+    launch_backend: "local" or "gcloud" (the spec's slices, already `up` and `setup`).
+    dry_run: print every point's commands and run nothing.
   """
   todo = expand(grid or {}, points)
   if not todo:
     raise AsearcherError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
   out = Path(root)
+  if launch_spec is not None:  # a mistake is one line before any point starts
+    if command != "train":
+      raise AsearcherError(f"sweeping.sweep.command: a launched point runs train, not {command!r}")
+    sweep_launch.launch_point(launch_spec, launch_backend, out, "p00", [])
   rows = []
   for i, point in enumerate(todo):
     run_dir = out / point_name(i, point)
@@ -149,10 +172,24 @@ def sweep(
             *(f"--gin_param={k}={v}" for k, v in point.items()),
             *([f"--gin_param={run_dir_param}={json.dumps(str(run_dir))}"] if run_dir_param else []),
             f"--operative_config={run_dir / 'operative_config.gin'}"]  # fmt: skip
-    print(f"sweep: {run_dir.name} ...", flush=True)
-    summary, status = run_point(argv, run_dir, timeout_s)
+    if launch_spec is not None:
+      params = [*gin_params, *(f"{k}={v}" for k, v in point.items())]
+      lp = sweep_launch.launch_point(launch_spec, launch_backend, out, run_dir.name, params)
+      if dry_run:
+        print("\n".join(f"sweep: {run_dir.name}: {c}" for c in sweep_launch.plan(lp, timeout_s)))
+        continue
+      print(f"sweep: {run_dir.name} (launch {launch_backend}) ...", flush=True)
+      summary, status = sweep_launch.run(lp, run_dir, timeout_s)
+    elif dry_run:
+      print(f"sweep: {run_dir.name}: {shlex.join(argv)}")
+      continue
+    else:
+      print(f"sweep: {run_dir.name} ...", flush=True)
+      summary, status = run_point(argv, run_dir, timeout_s)
     print(f"sweep: {run_dir.name} {status}", flush=True)
     rows.append(row_of(run_dir, point, summary, status))
+  if dry_run:
+    return 0
   keys = [k.rsplit(".", 1)[-1] for k in dict.fromkeys(k for p in todo for k in p)]
   first = next((r for r in rows if r["status"] != "failed"), rows[0])
   chosen = list(metrics) or [k for k in first if k not in {"point", "status", *keys}]

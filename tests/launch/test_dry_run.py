@@ -143,3 +143,24 @@ def test_every_shipped_spec_plans_and_names_an_existing_recipe(path):
   for action in gcloud.ACTIONS:
     rc, out, err = dry_run(path, action)
     assert rc == 0 and out and not err
+
+
+def test_stop_script_waits_for_its_processes_and_kills_what_ignores_sigterm(tmp_path):
+  """The worker-side script of `stop`, run by bash with the run directory in tmp_path: a process
+  that exits on SIGTERM and one that ignores it are both gone when it returns (so a sweep's next
+  `start` finds its ports free), and their pid files too."""
+  import psutil
+
+  spec = load(SPECS["v5e"])
+  script = gcloud.stop(spec, grace_s=2)[0].argv[-1].removeprefix("--command=")
+  script = script.replace(gcloud.RUN, str(tmp_path))
+  (tmp_path / "pids").mkdir()
+  ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+  start = (f"sleep 300 & echo $! > {tmp_path}/pids/a.pid; "
+           f"{sys.executable} -c '{ignore}' & echo $! > {tmp_path}/pids/b.pid")  # fmt: skip
+  subprocess.run(["bash", "-c", start], check=True, timeout=30)  # both orphaned: not our zombies
+  pids = [int(f.read_text()) for f in sorted((tmp_path / "pids").glob("*.pid"))]
+  assert all(psutil.pid_exists(p) for p in pids)
+  subprocess.run(["bash", "-c", script], check=True, timeout=60)
+  assert not any(psutil.pid_exists(p) for p in pids)
+  assert not list((tmp_path / "pids").glob("*.pid"))
