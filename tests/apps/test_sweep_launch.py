@@ -155,6 +155,7 @@ def test_status_and_logs_parsing_of_both_backends():
   assert sweep_launch._summary("==> trainer-0.log <==\nTraceback ...\n") is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_local_launched_point_lands_in_the_table(tmp_path, monkeypatch):
   """The shipped tiny launch sweep cut to one point of the 1 x 1 spec: start, supervisor.done,

@@ -151,7 +151,8 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
   return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("tensor", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor", [4])  # one device: tests/rl/test_train_remote.py
 async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, tokenizer, tensor):
   """Disaggregated RL: the server compiles before announcing itself, then swaps in every newer
   version written to weights_dir; tokens carry the version and come from the new weights. With

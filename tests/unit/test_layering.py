@@ -32,6 +32,7 @@ def _copy_package(dest: Path) -> Path:
     dest / "asearcher_jax",
     ignore=shutil.ignore_patterns("assets", "__pycache__"),
   )
+  shutil.copytree(ROOT / "launch", dest / "launch", ignore=shutil.ignore_patterns("__pycache__"))
   shutil.copy(ROOT / ".importlinter", dest / ".importlinter")
   return dest
 
@@ -69,6 +70,7 @@ def test_the_package_keeps_its_layers():
     ("data/qa.py", "from asearcher_jax.synthwiki import world", "Package layers"),
     ("rl/episodes.py", "from asearcher_jax.views import runs", "Package layers"),
     ("plotting.py", "from asearcher_jax.evaluation import report", "Package layers"),
+    ("apps/sweep.py", "import launch.cli", "The library never imports launch/"),
   ],
 )
 def test_a_forbidden_import_breaks_the_lint(tmp_path, module, forbidden, contract):
