@@ -41,6 +41,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from asearcher_jax.apps.sweep_launch import pid_alive as _alive
 from launch import roles
 from launch.spec import SpecError
 
@@ -105,19 +106,6 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  try:  # a zombie child counts as gone
-    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-  except OSError:
-    return False
 
 
 class Supervisor:

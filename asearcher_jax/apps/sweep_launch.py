@@ -122,7 +122,7 @@ def _wait(p: LaunchPoint, log, deadline: float) -> str | None:
       pid_file = Path(p.run_dir) / "supervisor.pid"
       if not pid_file.exists():
         return "launch start left no supervisor"
-      if not _alive(int(pid_file.read_text())) and not done.exists():
+      if not pid_alive(int(pid_file.read_text())) and not done.exists():
         return f"the supervisor died without writing {done}"
     else:
       rc, out = _call(p, "status", log)
@@ -135,14 +135,18 @@ def _wait(p: LaunchPoint, log, deadline: float) -> str | None:
   return "timed out"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+  """Whether process `pid` runs (a zombie counts as gone). Also the launcher's check (launch/local.py)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
   except PermissionError:
     return True
-  return True
+  try:
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+  except OSError:
+    return False
 
 
 def _summary(logs: str) -> dict | None:
