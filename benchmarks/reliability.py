@@ -69,12 +69,13 @@ ROW = "{:<16} {:<36} {:>8} {:>9} {:>7} {:>6} {:>5} {:>4}"
 
 def soak_part(args, tmp: Path, tok: Path, index: Path) -> dict[str, Any]:
   cfg = SoakConfig(
-    steps=args.soak_steps, restarts=2, tool_fault_rate=args.fault_rate, seed=args.seed,
+    steps=args.soak_steps, restarts=args.soak_restarts, tool_fault_rate=args.fault_rate, seed=args.seed,
     max_seconds=args.soak_minutes * 60.0,
   )  # fmt: skip
   out = run_soak(cfg, run_dir=tmp / "soak", tokenizer_dir=str(tok), index_dir=str(index))
   clean = out["hangs"] == 0 and out["lost_groups"] == 0 and out["duplicated_groups"] == 0
-  out["survived"] = out["faults_injected"] + out["server_restarts"] + 2 if clean else 0
+  out["injected"] = out["faults_injected"] + out["server_restarts"] + args.soak_restarts
+  out["survived"] = out["injected"] if clean else 0
   return out
 
 
@@ -187,6 +188,7 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--soak-steps", type=int, default=300, help="soak steps (the full soak: 300)")
   p.add_argument("--soak-minutes", type=float, default=6.0, help="wall-clock bound of the soak")
+  p.add_argument("--soak-restarts", type=int, default=2, help="restarts of the soak's run")
   p.add_argument("--fault-rate", type=float, default=0.1, help="tool requests broken by the proxy")
   p.add_argument("--kills", type=int, default=2, help="SIGKILLs of `asearcher train`")
   p.add_argument("--bad-inputs", type=int, default=200, help="malformed requests per endpoint")
@@ -204,7 +206,7 @@ def main() -> None:
     soak = soak_part(args, tmp, tok, index)
   rows = [
     ("soak", f"{soak['steps']} steps, {soak['lives']} lives, eta {soak['eta']}",
-     soak["faults_injected"] + soak["server_restarts"] + 2, soak["survived"], 0, soak["hangs"],
+     soak["injected"], soak["survived"], 0, soak["hangs"],
      soak["lost_groups"], soak["duplicated_groups"]),
     ("checkpoint", "ENOSPC on save, corrupt newest", ck["injected"], ck["survived"], 0, 0, 0, 0),
   ]  # fmt: skip

@@ -5,9 +5,11 @@ search (`synthwiki.questions.hop_leaks`), and a warm start cloned from a scripte
 weakness is the one ASearcher's RL fixes: it searches correctly but gives up after a few hops and
 answers with a guess. Stages:
 
-  warm_start  (without `warm_start_dir`) the world, the giving-up expert's token-exact
-              trajectories on the train split, `asearcher sft` from scratch on them, under
-              run_dir/warm_start (resumes from its checkpoints);
+  warm_start  by default the shipped one (`long_warm_start.LONG_WARM_START`); with
+              `warm_start_dir` None: the world, the giving-up expert's token-exact trajectories
+              on the train split, `asearcher sft` from scratch on them under run_dir/warm_start
+              (resumes from its checkpoints), its held-out evaluation by hop count and a model
+              card (`long_warm_start`), copied to `LongWarmStart.ship_to` when set;
   quickstart  the quickstart's stages unchanged (world, load, eval_sft, rl, eval_rl, report) with
               this world, agent budgets (>= 30 tool calls fit: search results are compacted after
               their read turn) and engine;
@@ -28,10 +30,11 @@ from pathlib import Path
 
 from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.apps import long_horizon_report as lh_report
+from asearcher_jax.apps import long_warm_start
 from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps import sft as sft_commands
 from asearcher_jax.apps.warm_start import SFTStage
-from asearcher_jax.apps.world import expert_trajectories, prepare_world
+from asearcher_jax.apps.world import WorldFiles, expert_trajectories, prepare_world
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
@@ -70,7 +73,8 @@ _QUICKSTART_SFT = SFTStage()
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LongWarmStart:
-  """The in-run warm start: SFT from scratch on the giving-up expert (train split)."""
+  """The in-run warm start (with `warm_start_dir` None): SFT from scratch on the giving-up expert
+  (train split), then its held-out evaluation and model card."""
 
   # Expert episodes per train question (each draws its own give-up point).
   samples_per_question: int = 2
@@ -82,13 +86,18 @@ class LongWarmStart:
   seed: int = 0
   # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
   sft: SFTStage = _QUICKSTART_SFT
+  # Copy the made warm start and its card here (the default warm start's directory:
+  # asearcher_jax/assets/checkpoints/synthwiki_long_sft); None: keep it in the run directory.
+  ship_to: str | None = None
+  # Stop after the warm start's held-out evaluation and card (no RL).
+  stop_after_card: bool = False
 
 
 def make_warm_start(
   root: Path, world: SynthWikiConfig, warm: LongWarmStart, agent: AsearcherAgentConfig
-) -> tuple[Path, dict[str, float]]:
+) -> tuple[Path, dict[str, float], WorldFiles]:
   """The giving-up expert's trajectories and a from-scratch SFT on them (both resumable);
-  returns the model directory and the expert's statistics."""
+  returns the model directory, the expert's statistics and the world's files."""
   sw, files = prepare_world(root.parent / "world", world)
   data = root / "expert_trajectories.jsonl"
   stats_path = root / "expert.json"
@@ -109,13 +118,13 @@ def make_warm_start(
     scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
     name="SynthWiki long-horizon warm start (asearcher long-horizon)",
   )  # fmt: skip
-  return root / "sft" / "model", json.loads(stats_path.read_text())
+  return root / "sft" / "model", json.loads(stats_path.read_text()), files
 
 
 def long_horizon(
   *,
   run_dir: str = "runs/long_horizon",
-  warm_start_dir: str | None = None,
+  warm_start_dir: str | None = str(long_warm_start.LONG_WARM_START),
   world: SynthWikiConfig = LONG_WORLD,
   warm: LongWarmStart = LongWarmStart(),
   temperature: float = 1.0,
@@ -130,7 +139,8 @@ def long_horizon(
 
   Args:
     run_dir: everything this run writes (warm_start/, then the quickstart's layout).
-    warm_start_dir: a shipped warm start for `world`; None: made in the run (`warm`).
+    warm_start_dir: a warm start for `world` (default: the shipped one); None: made in the run
+      (`warm`), evaluated and given a card (run_dir/warm_start/model_card.md).
     world: the SynthWiki world (long, hop-isolated chains).
     warm: the in-run warm start (expert's give-up range, SFT recipe).
     temperature: sampling temperature of evaluation and RL.
@@ -151,8 +161,19 @@ def long_horizon(
   root = Path(run_dir)
   expert_stats = None
   if warm_start_dir is None:
-    model_dir, expert_stats = make_warm_start(root / "warm_start", world, warm, agent)
+    model_dir, expert_stats, files = make_warm_start(root / "warm_start", world, warm, agent)
     warm_start_dir = str(model_dir)
+    card = long_warm_start.evaluate_card(
+      root, model_dir, files, world=world, warm=warm, expert_stats=expert_stats,
+      evaluation=evaluation, temperature=temperature, agent=agent, engine=engine,
+      long_hops=long_hops,
+    )  # fmt: skip
+    dest = Path(warm.ship_to) if warm.ship_to else None
+    long_warm_start.write_and_ship(root / "warm_start", model_dir, card, dest)
+    if warm.stop_after_card:
+      keys = ("avg_em", "pass_em", "tool_calls", "long", "data_sha256", "world_digest")
+      print(json.dumps({k: card[k] for k in keys}), flush=True)
+      return 0
   qs.quickstart(
     run_dir=str(root), warm_start_dir=warm_start_dir, world=world, temperature=temperature,
     evaluation=evaluation, rl=rl, agent=agent, engine=engine,

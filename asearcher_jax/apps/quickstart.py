@@ -313,7 +313,7 @@ def quickstart(
         agent=agent, concurrency=ev.concurrency, seed=ev.seed,
       )  # fmt: skip
       with tracker.stage("eval_sft"):
-        before = evaluate(**common, out_dir=root / "eval", policy=f"sft:{_sha256_dir(warm)}")
+        before = evaluate(**common, out_dir=root / "eval", policy=f"sft:{model_dir_id(warm)}")
       with tracker.stage("rl") as st:
         resumed = run.trainer.restore()
         run.rollout.start()
@@ -363,7 +363,7 @@ def quickstart(
   return 0
 
 
-def _sha256_dir(d: Path) -> str:
+def model_dir_id(d: Path) -> str:
   """Short identity of a model directory (its weights), so evaluations of other weights never
   reuse these snapshots."""
   h = hashlib.sha256()

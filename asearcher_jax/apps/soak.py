@@ -98,6 +98,15 @@ def rss_slope_per_100(samples: list[tuple[int, int, float]]) -> float:
   return float(np.average(slopes, weights=weights)) if slopes else float("nan")
 
 
+def rss_windows(samples: list[tuple[int, int, float]], width: int = 100) -> list[list[float]]:
+  """[life, first step, mean MB] of each `width`-step window: where growth happens (compilation
+  and caches early in a life, or steadily: a leak), which one slope cannot tell."""
+  windows: dict[tuple[int, int], list[float]] = {}
+  for n, v, mb in samples:
+    windows.setdefault((n, (v - 1) // width * width + 1), []).append(mb)
+  return [[n, v, round(float(np.mean(mbs)), 1)] for (n, v), mbs in sorted(windows.items())]
+
+
 class _Tools:
   """The retrieval server (restartable) behind a fault proxy, on their own loop thread."""
 
@@ -223,5 +232,6 @@ def run_soak(
     env_failures=sum(m.get("rollout/env_failures", 0.0) for m in rollout),
     rss_mb_per_life=[round(max(mb for n, _, mb in rss if n == i), 1) for i in sorted({r[0] for r in rss})],
     rss_mb_last=rss[-1][2] if rss else float("nan"), rss_slope_mb_per_100_steps=rss_slope_per_100(rss),
+    rss_mb_per_100_steps=rss_windows(rss),
   )  # fmt: skip
   return out

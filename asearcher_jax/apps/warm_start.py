@@ -128,8 +128,13 @@ def evaluate_model_dir(
   temperature: float,
   agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   engine: EngineConfig = QUICKSTART_ENGINE,
+  policy_name: str | None = None,
+  greedy: bool = True,
 ) -> dict[str, Any]:
-  """Greedy (k = 1) and sampled (Avg@k, Pass@k) scores of a model directory on the test split."""
+  """Greedy (k = 1; skipped with greedy=False) and sampled (Avg@k, Pass@k) scores of a model
+  directory on the test split. `policy_name` names the weights in the evaluation's identity (default:
+  the directory), so a pipeline evaluating the same weights under the same name resumes from
+  these snapshots instead of running them again."""
   from asearcher_jax.model.loading import load_policy
   from asearcher_jax.serving.driver import Driver, DriverConfig
   from asearcher_jax.serving.engine import Engine
@@ -143,14 +148,15 @@ def evaluate_model_dir(
     with RetrievalThread(files.index) as server:
       common = dict(
         client=driver, tokenizer=tokenizer, questions=files.test,
-        retrieval_address=server.address, out_dir=out_dir, policy=str(model_dir.resolve()),
+        retrieval_address=server.address, out_dir=out_dir,
+        policy=policy_name or str(model_dir.resolve()),
         limit=ev.questions, agent=agent, concurrency=ev.concurrency, seed=ev.seed,
       )  # fmt: skip
-      greedy = evaluate(**common, k=1, temperature=0.0)
-      sampled = evaluate(**common, k=ev.k, temperature=temperature)
+      scores = {"greedy": evaluate(**common, k=1, temperature=0.0)} if greedy else {}
+      scores["sampled"] = evaluate(**common, k=ev.k, temperature=temperature)
   finally:
     driver.close()
-  return {"greedy": greedy, "sampled": sampled, "temperature": temperature}
+  return {**scores, "temperature": temperature}
 
 
 def warm_start(

@@ -97,25 +97,45 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   run_dir = tmp_path / "lh"
   sft_cfg = SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                       progress=False)  # fmt: skip
+  shipped = tmp_path / "shipped"
   warm = lh.LongWarmStart(
-    samples_per_question=1, give_up_after_hops=(2, 3),
+    samples_per_question=1, give_up_after_hops=(2, 3), ship_to=str(shipped),
     sft=SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
       WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1)),
   )  # fmt: skip
   # A 2-step warm start cannot answer: RL runs on the "smoke" reward (plumbing, not learning),
   # with the agent's limits at 3 tool calls and a 1,024-token engine (one prefill shape).
   common = dict(
-    run_dir=str(run_dir), world=TINY_LONG, warm=warm,
+    run_dir=str(run_dir), warm_start_dir=None, world=TINY_LONG, warm=warm,
     evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8),
     rl=qs.QuickstartRL(seconds=1.0, batch_groups=1, group_size=4, max_concurrent=2,
                        questions="train", batch_timeout_s=300.0, micro_rows=2, reward="smoke"),
     agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=1024, max_new_tokens=32),
-    engine=EngineConfig(max_slots=8, max_seq_len=1024, prefill_buckets=(1024,)),
+    engine=EngineConfig(
+      max_slots=8, max_seq_len=1024, prefill_buckets=(1024,), suffix_buckets=(256,)
+    ),
     min_tool_calls=3,
   )  # fmt: skip
   with pytest.raises(AsearcherError, match="max_turns >= 61"):
     lh.long_horizon(**{**common, "min_tool_calls": 30})
+  # The warm start alone: made, evaluated by hop count, given a card and shipped; no RL.
+  stop = dataclasses.replace(warm, stop_after_card=True)
+  assert lh.long_horizon(**{**common, "warm": stop}) == 0
+  assert not (run_dir / "rl").exists()
+  card = json.loads((shipped / "warm_start.json").read_text())
+  assert card["command"] == lh.long_warm_start.COMMAND
+  assert card["data_sha256"] == card["sft_summary"]["data"]["data_sha256"]
+  assert sum(v["samples"] for v in card["by_hops"].values()) == 4 * 2
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+    p.name for p in shipped.iterdir()
+  }
+  md = (shipped / "model_card.md").read_text()
+  assert "## Reproduce" in md and card["data_sha256"] in md and str(shipped) in md
+  # The whole run resumes the warm start and reuses its evaluation (one "sft:" evaluation).
   assert lh.long_horizon(**common) == 0
+  sft_evals = [c.parent for c in (run_dir / "eval").glob("*/config.json")
+               if json.loads(c.read_text())["policy"].startswith("sft:")]  # fmt: skip
+  assert len(sft_evals) == 1
   s = json.loads((run_dir / "report" / "summary.json").read_text())
   for key in ("avg4_sft_long", "avg4_rl_long", "tool_calls_sft_long", "tool_calls_rl_long",
               "max_tool_calls_train", "wall_s", "peak_rss_mb"):  # fmt: skip

@@ -29,7 +29,9 @@ from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki.wiki import TINY
 
 # One prefill bucket: a handful of compiled shapes instead of the quickstart's dozens.
-SMALL_ENGINE = EngineConfig(max_slots=8, max_seq_len=2048, prefill_buckets=(2048,))
+SMALL_ENGINE = EngineConfig(
+  max_slots=8, max_seq_len=2048, prefill_buckets=(2048,), suffix_buckets=(256,)
+)
 SUMMARY_KEYS = {
   "avg4_sft", "avg4_rl", "pass4_sft", "pass4_rl", "tool_calls_first_steps",
   "tool_calls_last_steps", "wall_s", "peak_rss_mb",
@@ -79,8 +81,9 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tiny_run):
-  # The session's tiny run (tests/notebooks/tiny_run.py: `pipeline.quickstart` with 4 questions,
-  # k = 2, 5 s of RL at B = 2, the one-bucket engine), shared with the notebook tests.
+  # The session's tiny run (tests/notebooks/tiny_run.py: the shipped CI sweep's one point, a
+  # `quickstart` process with 4 questions, k = 2, 5 s of RL at B = 2, the one-bucket engine),
+  # shared with the notebook tests and the sweep's test.
   run_dir = tiny_run / "quickstart"
   summary = json.loads((run_dir / "report" / "summary.json").read_text())
   assert set(summary) >= SUMMARY_KEYS

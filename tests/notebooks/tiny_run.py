@@ -3,33 +3,49 @@
 one step of asynchronous RL, the report) plus a synthesis run over the toy world with the
 scripted model behind a loopback HTTP server.
 
-Layout: <root>/quickstart/{world,eval,rl,report} and <root>/synth/{questions,progress,calls}.jsonl.
+The quickstart is built as the one point of the shipped sweep `gin/sweeps/quickstart_ci.gin`
+(`asearcher sweep` in its own process, one CPU device as from a shell), so that the sweep's test
+reads the same build instead of running a second CI-size quickstart.
+
+Layout: <root>/quickstart/{world,eval,rl,report}, <root>/synth/{questions,progress,calls}.jsonl,
+and <root>/sweep/ (results.jsonl; its one point, a link to ../quickstart) with the sweep's
+output in <root>/sweep_stdout.txt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from asearcher_jax.apps import quickstart as pipeline
-from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.testing.synth_scripted import toy_synthesis
 
-# One prefill bucket: a handful of compiled shapes instead of the quickstart's dozens.
-ENGINE = EngineConfig(max_slots=8, max_seq_len=2048, prefill_buckets=(2048,))
+REPO = Path(__file__).resolve().parents[2]
 T = 60  # seconds: bound on every await of the synthesis run
+# The shipped CI-size sweep (4 questions x k 2, 5 s of RL at B 2, one 2,048-token prefill bucket:
+# gin/overlays/quickstart_ci.gin), its grid cut to one point.
+SWEEP = "gin/sweeps/quickstart_ci.gin"
+GRID = '{"pipeline.QuickstartRL.max_staleness": ("4",)}'
+POINT = "p00-max_staleness=4"
 
 
 def make_quickstart(root: Path) -> Path:
+  sweep_root = root / "sweep"
+  argv = [sys.executable, "-m", "asearcher_jax.main", "sweep", SWEEP,
+          f'--gin_param=sweeping.sweep.root="{sweep_root}"', f"--gin_param=sweeping.sweep.grid={GRID}"]  # fmt: skip
+  env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as from a shell
+  r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+  (root / "sweep_stdout.txt").write_text(r.stdout)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  # The run directory proper at <root>/quickstart (what the views walk; a walk does not follow
+  # links), the sweep's point a link to it.
   run_dir = root / "quickstart"
-  assert pipeline.quickstart(
-    run_dir=str(run_dir), evaluation=pipeline.QuickstartEval(questions=4, k=2),
-    rl=pipeline.QuickstartRL(seconds=5.0, batch_groups=2, max_concurrent=4, batch_timeout_s=600.0),
-    engine=ENGINE,
-  ) == 0  # fmt: skip
+  (sweep_root / POINT).rename(run_dir)
+  (sweep_root / POINT).symlink_to(Path("..") / "quickstart")
   return run_dir
 
 

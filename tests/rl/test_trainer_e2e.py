@@ -41,6 +41,7 @@ from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.data.qa import load_training_qa
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.steps import OptimizerConfig
+from asearcher_jax.rl import trainer as trainer_lib
 from asearcher_jax.rl.replay import (
   CONSUMED_LOG,
   GROUPS_LOG,
@@ -407,3 +408,20 @@ def test_blocking_checkpoints_commit_within_the_step(tmp_path):
   finally:
     ckpt.close()
     replay.close()
+
+
+def test_history_keeps_only_the_last_steps(tmp_path, monkeypatch):
+  # A week-long run must not grow memory with its step count: the metric writer has every
+  # step; the trainer keeps the last HISTORY_STEPS in memory.
+  monkeypatch.setattr(trainer_lib, "HISTORY_STEPS", 2)
+  trainer, _, replay, _, ckpt = stub_trainer(tmp_path, steps=4)
+  try:
+    for i in range(4):
+      replay.push(stub_group(i), timeout=1)
+    trainer.restore()
+    trainer.run()
+  finally:
+    ckpt.close()
+    replay.close()
+  assert trainer.trained_ids == [["g0"], ["g1"], ["g2"], ["g3"]]
+  assert len(trainer.history) == 2

@@ -1,0 +1,136 @@
+"""The long-horizon warm start's model card and shipped copy.
+
+`asearcher long-horizon` makes its warm start in the run (the giving-up expert, then SFT from
+scratch: ~40 minutes on 2 cores), which alone would spend most of the experiment's 45-minute
+budget. So the warm start is made once, evaluated on the held-out questions by hop count, and
+shipped with a card that says how to make it again (command, seed, world digest, data hash, time,
+scores); the experiment then starts from the shipped copy. The evaluation is stored under the
+run's `eval/` with the name the pipeline gives the same weights, so the run that made the warm
+start resumes from it instead of evaluating twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import long_horizon_report as lh_report
+from asearcher_jax.apps.quickstart import QuickstartEval, model_dir_id
+from asearcher_jax.apps.warm_start import evaluate_model_dir, ship
+from asearcher_jax.apps.world import WorldFiles
+from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+
+# Where `asearcher long-horizon` loads its warm start from by default.
+LONG_WARM_START = Path(__file__).resolve().parents[1] / "assets/checkpoints/synthwiki_long_sft"
+# The command that makes the shipped copy (its gin file sets ship_warm_start_to).
+COMMAND = "asearcher long-horizon --gin_file gin/experiments/long_horizon_warm_start.gin"
+
+
+def heldout_hops(files: WorldFiles) -> dict[str, int]:
+  """Hop count of each held-out question, by id."""
+  rows = (json.loads(line) for line in files.test.open() if line.strip())
+  return {r["id"]: int(r["hops"]) for r in rows}
+
+
+def evaluate_card(
+  root: Path,
+  model_dir: Path,
+  files: WorldFiles,
+  *,
+  world: SynthWikiConfig,
+  warm: Any,
+  expert_stats: dict[str, float],
+  evaluation: QuickstartEval,
+  temperature: float,
+  agent: AsearcherAgentConfig,
+  engine: EngineConfig,
+  long_hops: int,
+) -> dict[str, Any]:
+  """Held-out Avg@k by hop count of the warm start in `model_dir`, and everything its card says
+  (`warm` is the run's `LongWarmStart`)."""
+  t0 = time.time()
+  scores = evaluate_model_dir(
+    model_dir, files, root / "eval", evaluation=evaluation, temperature=temperature, agent=agent,
+    engine=engine, policy_name=f"sft:{model_dir_id(model_dir)}", greedy=False,
+  )  # fmt: skip
+  hops = heldout_hops(files)
+  rows = lh_report.eval_rows(root / "eval", "sft:")
+  sft_summary = json.loads((model_dir.parent / "sft_summary.json").read_text())
+  sampled = scores["sampled"]
+  return {
+    "command": COMMAND,
+    "seed": warm.seed,
+    "world": dataclasses.asdict(world),
+    "world_digest": files.digest,
+    "expert": {
+      "give_up_after_hops": list(warm.give_up_after_hops), "imperfection": warm.imperfection,
+      "samples_per_question": warm.samples_per_question, **expert_stats,
+    },
+    "data_sha256": sft_summary["data"]["data_sha256"],
+    "sft_steps": sft_summary["step"],
+    "sft_start_step": sft_summary["start_step"],
+    "sft_train_seconds": sft_summary["train_seconds"],
+    "avg_em": sampled["avg_em"], "pass_em": sampled["pass_em"], "k": sampled["k"],
+    "tool_calls": sampled["tool_calls"], "questions": sampled["n"], "temperature": temperature,
+    "long_hops": long_hops,
+    "long": lh_report.long_stats(rows, hops, long_hops),
+    "by_hops": lh_report.by_hops(rows, hops),
+    "eval_seconds": round(time.time() - t0, 1),
+    "sft_summary": sft_summary,
+  }  # fmt: skip
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f}%"
+
+
+def card_markdown(card: dict[str, Any], sft_card: str) -> str:
+  """The model card: what the checkpoint is for, how to make it again, and its held-out scores."""
+  e, lg = card["expert"], card["long"]
+  resumed = (
+    f" (this copy's run resumed at step {card['sft_start_step']}; the time is of the steps after it)"
+    if card["sft_start_step"]
+    else ""
+  )
+  lines = [
+    "# SynthWiki long-horizon warm start", "",
+    "A tiny Qwen2-architecture policy trained from scratch by supervised fine-tuning on a scripted "
+    "expert that searches correctly, one search per hop, but gives up after "
+    f"{e['give_up_after_hops'][0]}-{e['give_up_after_hops'][1]} hops and answers with a guess; "
+    "the starting point of `asearcher long-horizon`, whose RL should teach it to keep searching.",
+    "", "## Reproduce", "", "```", card["command"], "```", "",
+    f"World: SynthWiki seed {card['world']['seed']} (4-12-hop chains, hops isolated), digest "
+    f"`{card['world_digest']}`. Expert: seed {card['seed']}, {e['samples_per_question']} episodes "
+    f"per train question ({int(e['trajectories'])} trajectories, mean reward "
+    f"{e['expert_mean_reward']:.3f}). Data sha256 `{card['data_sha256']}`.", "",
+    f"SFT: {card['sft_steps']} steps, {card['sft_train_seconds']:.0f} s of training{resumed}; "
+    f"held-out evaluation {card['eval_seconds']:.0f} s (2 CPU cores).", "",
+    "## Held-out scores (test split, questions never seen in training)", "",
+    f"| | Avg@{card['k']} EM | Pass@{card['k']} EM | tool calls / trajectory | questions |",
+    "|---|---|---|---|---|",
+    f"| all | {_pct(card['avg_em'])} | {_pct(card['pass_em'])} | {card['tool_calls']:.2f} | "
+    f"{card['questions']} |",
+    f"| >= {card['long_hops']} hops | {_pct(lg['avg_em'])} | | {lg['tool_calls']:.2f} | "
+    f"{lg['questions']} |",
+    "", f"Temperature {card['temperature']}. By hop count (Avg EM, tool calls):", "",
+    "| hops | Avg EM | tool calls | samples |", "|---|---|---|---|",
+    *(f"| {h} | {_pct(d['avg_em'])} | {d['tool_calls']:.1f} | {d['samples']} |"
+      for h, d in card["by_hops"].items()),
+    "", "---", "", sft_card,
+  ]  # fmt: skip
+  return "\n".join(lines)
+
+
+def write_and_ship(out: Path, model_dir: Path, card: dict[str, Any], dest: Path | None) -> None:
+  """Writes out/{model_card.md, warm_start.json}; with `dest`, copies the model and card there."""
+  sft_card = model_dir.parent / "model_card.md"
+  text = card_markdown(card, sft_card.read_text() if sft_card.exists() else "")
+  (out / "model_card.md").write_text(text)
+  (out / "warm_start.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
+  if dest is not None:
+    ship(model_dir, out, dest)
