@@ -18,7 +18,7 @@ from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.errors import CheckpointError
 from asearcher_jax.testing.faults import no_space_on_save
 from asearcher_jax.testing.run_audit import pending_on_disk, replay_logs
-from tests.rl.test_trainer_e2e import stub_group, stub_trainer
+from tests.rl.test_trainer_e2e import run_stub_trainer, stub_group, stub_trainer
 
 
 def test_enospc_on_save_stops_with_one_clear_error_then_resumes(tmp_path):
@@ -63,15 +63,7 @@ def corrupt(step_dir: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["meta", "arrays"])
 def test_corrupt_latest_checkpoint_falls_back_loudly(tmp_path, caplog, how):
-  trainer, learner, replay, _, ckpt = stub_trainer(tmp_path, steps=3)
-  try:
-    for i in range(5):
-      replay.push(stub_group(i), timeout=1)
-    trainer.restore()
-    trainer.run()
-  finally:
-    ckpt.close()
-    replay.close()
+  run_stub_trainer(tmp_path, steps=3, groups=5)
   assert replay_logs(tmp_path / "replay")[1] == ["g0", "g1", "g2"]
   corrupt(tmp_path / "ckpt" / "3", how)
 

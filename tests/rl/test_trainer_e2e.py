@@ -349,6 +349,20 @@ def stub_trainer(run_dir: Path, steps: int, *, blocking: bool = False):
   return trainer, learner, replay, staleness, ckpt
 
 
+def run_stub_trainer(run_dir: Path, *, steps: int, groups: int):
+  """A stub trainer over `groups` queued groups, run to `steps` and closed; returns it."""
+  trainer, _, replay, _, ckpt = stub_trainer(run_dir, steps=steps)
+  try:
+    for i in range(groups):
+      replay.push(stub_group(i), timeout=1)
+    trainer.restore()
+    trainer.run()
+  finally:
+    ckpt.close()
+    replay.close()
+  return trainer
+
+
 def test_crash_between_checkpoint_and_commit_trains_nothing_twice(tmp_path):
   trainer, learner, replay, staleness, ckpt = stub_trainer(tmp_path, steps=2)
   for i in range(4):
@@ -414,14 +428,6 @@ def test_history_keeps_only_the_last_steps(tmp_path, monkeypatch):
   # A week-long run must not grow memory with its step count: the metric writer has every
   # step; the trainer keeps the last HISTORY_STEPS in memory.
   monkeypatch.setattr(trainer_lib, "HISTORY_STEPS", 2)
-  trainer, _, replay, _, ckpt = stub_trainer(tmp_path, steps=4)
-  try:
-    for i in range(4):
-      replay.push(stub_group(i), timeout=1)
-    trainer.restore()
-    trainer.run()
-  finally:
-    ckpt.close()
-    replay.close()
+  trainer = run_stub_trainer(tmp_path, steps=4, groups=4)
   assert trainer.trained_ids == [["g0"], ["g1"], ["g2"], ["g3"]]
   assert len(trainer.history) == 2
