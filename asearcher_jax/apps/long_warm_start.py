@@ -72,6 +72,7 @@ def evaluate_card(
       "samples_per_question": warm.samples_per_question, **expert_stats,
     },
     "data_sha256": sft_summary["data"]["data_sha256"],
+    "data_files": {Path(f).name: h for f, h in sft_summary["data"]["files"].items()},
     "sft_steps": sft_summary["step"],
     "sft_start_step": sft_summary["start_step"],
     "sft_train_seconds": sft_summary["train_seconds"],
@@ -107,7 +108,8 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     f"World: SynthWiki seed {card['world']['seed']} (4-12-hop chains, hops isolated), digest "
     f"`{card['world_digest']}`. Expert: seed {card['seed']}, {e['samples_per_question']} episodes "
     f"per train question ({int(e['trajectories'])} trajectories, mean reward "
-    f"{e['expert_mean_reward']:.3f}). Data sha256 `{card['data_sha256']}`.", "",
+    f"{e['expert_mean_reward']:.3f}). Data: "
+    + ", ".join(f"`{name}` sha256 `{h}`" for name, h in card["data_files"].items()) + ".", "",
     f"SFT: {card['sft_steps']} steps, {card['sft_train_seconds']:.0f} s of training{resumed}; "
     f"held-out evaluation {card['eval_seconds']:.0f} s (2 CPU cores).", "",
     "## Held-out scores (test split, questions never seen in training)", "",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -130,7 +131,14 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
     p.name for p in shipped.iterdir()
   }
   md = (shipped / "model_card.md").read_text()
-  assert "## Reproduce" in md and card["data_sha256"] in md and str(shipped) in md
+  assert (
+    card["data_files"]["expert_trajectories.jsonl"]
+    == hashlib.sha256(
+      (run_dir / "warm_start" / "expert_trajectories.jsonl").read_bytes()
+    ).hexdigest()
+  )
+  assert "## Reproduce" in md and card["data_files"]["expert_trajectories.jsonl"] in md
+  assert str(shipped) in md  # the card's "Use" points at the shipped copy
   # The whole run resumes the warm start and reuses its evaluation (one "sft:" evaluation).
   assert lh.long_horizon(**common) == 0
   sft_evals = [c.parent for c in (run_dir / "eval").glob("*/config.json")
