@@ -1,7 +1,7 @@
 """The long-horizon warm start's model card and shipped copy.
 
 `asearcher long-horizon` makes its warm start in the run (the giving-up expert, then SFT from
-scratch: ~40 minutes on 2 cores), which alone would spend most of the experiment's 45-minute
+scratch: ~45 minutes on 2 cores), which alone would spend most of the experiment's 45-minute
 budget. So the warm start is made once, evaluated on the held-out questions by hop count, and
 shipped with a card that says how to make it again (command, seed, world digest, data hash, time,
 scores); the experiment then starts from the shipped copy. The evaluation is stored under the
@@ -27,7 +27,7 @@ from asearcher_jax.synthwiki.wiki import SynthWikiConfig
 
 # Where `asearcher long-horizon` loads its warm start from by default.
 LONG_WARM_START = Path(__file__).resolve().parents[1] / "assets/checkpoints/synthwiki_long_sft"
-# The command that makes the shipped copy (its gin file sets ship_warm_start_to).
+# The command that makes the shipped copy (its gin file sets `LongWarmStart.ship_to`).
 COMMAND = "asearcher long-horizon --gin_file gin/experiments/long_horizon_warm_start.gin"
 
 
