@@ -56,8 +56,13 @@ keeps both, and `--kv-on-update both` runs the async mode once with each, side b
 idle (tool waits, the long-tail barrier). Decode steps compute only the live
 slots (`EngineConfig.decode_rows`, 8, 16 and 32 rows of the 80; ~8.5 rows per step on average here):
 that took the async run from 54 s to 44 s (train step 3.2 -> 2.6 s, since the learner shares the
-cores). The per-mode "engine" entry gives prefill, weight-update and decode seconds. The last
-line is one JSON object.
+cores). The per-mode "engine" entry gives prefill, weight-update and decode seconds, and the
+engine thread's busy seconds per trained token. By default (`--engine-settings both`) the async
+mode runs twice, with the new engine settings (suffix prefills of turns that arrive together in
+one call, `EngineConfig.suffix_batch`; an update's re-prefills batched by bucket,
+`DriverConfig.batch_reprefill`) and with the old ones (one call per slot for both), and
+"engine_settings" in the JSON compares them (issue 27's bar: new busy per trained token <= 0.6 x
+old). The last line is one JSON object.
 
 `--engine process` runs async mode's engine as a separate program, the pod layout: the real
 `serve-model` in a child process (OpenAI facade on loopback, its own XLA runtime and GIL), the
@@ -189,6 +194,10 @@ class Workload:
   # "process" (`serve-model` in a child process over loopback HTTP, new weights through a
   # versioned directory: the pod layout). Sync mode always runs in process (colocated).
   engine: str = "thread"
+  # Engine settings of the async mode: "new" (the defaults: batched suffix prefills and
+  # re-prefills), "old" (one prefill call per slot, as before 2026-11-26), "both": async mode once
+  # with each, side by side (the figures of issue 27: engine busy seconds per trained token).
+  engine_settings: str = "both"
   engine_cpus: tuple[int, ...] = ()  # "process": the cores the engine gets; the trainer the rest
   # Compile every engine shape and learner bucket before the timed runs. False (smoke runs and
   # tests): shapes compile on first use, inside the runs, so the figures include compile time.
@@ -278,6 +287,7 @@ def engine_config(w: Workload) -> EngineConfig:
     max_seq_len=MAX_SEQ,
     prefill_buckets=w.prefill_buckets,
     decode_rows=w.decode_rows,
+    suffix_batch=(1, 2, 4, 8),  # agents' next turns that arrive together: one call
   )
 
 
@@ -305,6 +315,13 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
     tokenizer=tokenizer, graphdef=graphdef, engine=engine, driver=driver, learner=learner,
     init_state=jax.tree.map(jnp.copy, learner.state), init_params=jax.tree.map(jnp.copy, params),
   )  # fmt: skip
+
+
+def use_old_engine_settings(shared: Shared) -> None:
+  """The engine as it was before 2026-11-26: one suffix prefill call per parked slot and one
+  re-prefill call per in-flight slot on a weight update (the driver reads both settings live)."""
+  shared.engine.cfg = dataclasses.replace(shared.engine.cfg, suffix_batch=(1,))
+  shared.driver.cfg = dataclasses.replace(shared.driver.cfg, batch_reprefill=False)
 
 
 def warm_up(shared: Shared, w: Workload) -> dict[str, float]:
@@ -483,6 +500,7 @@ def run_mode(
       "lag_s": round(time.perf_counter() - t1, 2),
     }
   steps_n = end["decode_steps"] - stats0["decode_steps"]
+  busy = sum(end[k] - stats0[k] for k in ("prefill_s", "update_s", "decode_s"))
   train_s = float(np.mean([m["timing/train_s"] for m in h]))
   # per step (the trainer resets the rollout's samples every step): means of step means, max
   group_s = float(np.mean([m["rollout/group_s"] for m in h if "rollout/group_s" in m] or [0.0]))
@@ -534,6 +552,11 @@ def run_mode(
       "update_s": round(end["update_s"] - stats0["update_s"], 2),
       "reprefill_tokens": int(end["reprefill_tokens"] - stats0["reprefill_tokens"]),
       "decode_s": round(end["decode_s"] - stats0["decode_s"], 2),
+      # The engine thread's busy time (prefill + updates + decode calls) per trained token.
+      "busy_s_per_trained_token": round(busy / max(sum(trained), 1), 8),
+      "prefill_calls": int(end["prefill_calls"] - stats0["prefill_calls"]),
+      "suffix_prefill_s": round(end["suffix_prefill_s"] - stats0["suffix_prefill_s"], 2),
+      "suffix_prefill_calls": int(end["suffix_prefill_calls"] - stats0["suffix_prefill_calls"]),
       "decode_steps": int(steps_n),
       "rows_per_step": round(rows_n / max(steps_n, 1), 2),
     },
@@ -580,6 +603,11 @@ def parse(argv: list[str] | None) -> Workload:
     help="with --engine process: cores for the engine, e.g. '0-7' or '0,1' (the trainer gets the "
     "rest); '' = all cores shared",
   )  # fmt: skip
+  p.add_argument(
+    "--engine-settings", default=d.engine_settings, choices=("new", "old", "both"),
+    help="async mode's engine: batched suffix prefills and re-prefills (new), one call per slot "
+    "(old), or both side by side",
+  )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   p.add_argument(
     "--no-warmup", action="store_true",
@@ -588,6 +616,8 @@ def parse(argv: list[str] | None) -> Workload:
   a = p.parse_args(argv)
   if a.engine == "process" and a.kv_on_update == "both":
     p.error("--kv-on-update both needs --engine thread")
+  if a.engine == "process" and a.engine_settings == "both":
+    p.error("--engine-settings both needs --engine thread")
   if a.engine_cpus and a.engine != "process":
     p.error("--engine-cpus needs --engine process")
   if a.verbose:
@@ -605,6 +635,7 @@ def parse(argv: list[str] | None) -> Workload:
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
     prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update, engine=a.engine,
+    engine_settings=a.engine_settings,
     engine_cpus=parse_cpus(a.engine_cpus), warmup=not a.no_warmup,
   )  # fmt: skip
 
@@ -632,10 +663,19 @@ def main(argv: list[str] | None = None) -> dict:
       print(f"warm-up: {warm}", flush=True)
       if server is not None:
         print(f"engine process: {server.wait_ready()}, cpus {w.engine_cpus or 'all'}", flush=True)
+      if w.engine_settings == "old":
+        use_old_engine_settings(shared)
       sync = run_mode(shared, w, eta=0, max_concurrent=w.batch_groups)
       print(f"sync  (eta=0): {sync}", flush=True)
       asyn = run_mode(shared, w, eta=w.eta, max_concurrent=w.async_concurrent, server=server)
       print(f"async (eta={w.eta}): {asyn}", flush=True)
+      old = None
+      if w.engine_settings == "both":  # the same async mode again, one prefill call per slot
+        new_settings = shared.engine.cfg, shared.driver.cfg
+        use_old_engine_settings(shared)
+        old = run_mode(shared, w, eta=w.eta, max_concurrent=w.async_concurrent)
+        shared.engine.cfg, shared.driver.cfg = new_settings
+        print(f"async (eta={w.eta}, old engine settings): {old}", flush=True)
       keep = None
       if w.kv_on_update == "both":  # the same async mode again, keeping the old keys/values
         shared.driver.cfg = dataclasses.replace(shared.driver.cfg, kv_on_update="keep")
@@ -680,6 +720,32 @@ def main(argv: list[str] | None = None) -> dict:
     "async": asyn,
     "platform": jax.devices()[0].platform,
   }
+  if old is not None:
+    new_busy = asyn["engine"]["busy_s_per_trained_token"]
+    old_busy = old["engine"]["busy_s_per_trained_token"]
+    result["engine_settings"] = {
+      # Issue 27's figure: engine busy seconds per trained token, new / old (bar <= 0.6).
+      "busy_per_trained_token_new_vs_old": round(new_busy / max(old_busy, 1e-12), 3),
+      "busy_s_per_trained_token_new": new_busy,
+      "busy_s_per_trained_token_old": old_busy,
+      "prefill_s_new_vs_old": round(
+        asyn["engine"]["prefill_s"] / max(old["engine"]["prefill_s"], 1e-9), 3
+      ),
+      "update_s_new_vs_old": round(
+        asyn["engine"]["update_s"] / max(old["engine"]["update_s"], 1e-9), 3
+      ),
+      "speedup_old": round(
+        old["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9), 3
+      ),
+      "trainer_idle_async_old": old["trainer_idle_frac"],
+      "async_old": old,
+    }
+    print(
+      "engine busy s per trained token, async: new "
+      f"{new_busy:.3g} vs old {old_busy:.3g} = "
+      f"{result['engine_settings']['busy_per_trained_token_new_vs_old']:.2f}x (target <= 0.6)",
+      flush=True,
+    )
   if keep is not None:
     result["keep"] = {
       "speedup": round(keep["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9), 3),

@@ -80,8 +80,12 @@ class LongWarmStart:
   samples_per_question: int = 2
   # The expert's other mistakes (`ExpertConfig.imperfect` level); 0: it only gives up.
   imperfection: float = 0.0
-  # Hops after which the expert answers with a guess, uniform in [lo, hi] per episode.
-  give_up_after_hops: tuple[int, int] = (2, 4)
+  # Hops after which the expert answers with a guess, uniform in [lo, hi] per episode; None: no
+  # fixed give-up point.
+  give_up_after_hops: tuple[int, int] | None = (2, 4)
+  # Per act turn before the chain is resolved, answer with a guess (a geometric give-up point: a
+  # k-hop chain is finished with probability about (1 - p_guess) ** k); 0: the imperfection's.
+  p_guess: float = 0.0
   # Expert and SFT seed.
   seed: int = 0
   # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
@@ -93,6 +97,16 @@ class LongWarmStart:
   stop_after_card: bool = False
 
 
+def warm_start_expert(warm: LongWarmStart) -> ExpertConfig:
+  """The giving-up expert `warm` describes: its imperfection level, then its give-up rules."""
+  base = ExpertConfig.imperfect(warm.imperfection, seed=warm.seed)
+  return dataclasses.replace(
+    base,
+    give_up_after_hops=tuple(warm.give_up_after_hops) if warm.give_up_after_hops else None,
+    p_guess=warm.p_guess or base.p_guess,
+  )
+
+
 def make_warm_start(
   root: Path, world: SynthWikiConfig, warm: LongWarmStart, agent: AsearcherAgentConfig
 ) -> tuple[Path, dict[str, float], WorldFiles]:
@@ -102,12 +116,8 @@ def make_warm_start(
   data = root / "expert_trajectories.jsonl"
   stats_path = root / "expert.json"
   if not stats_path.exists():
-    expert = dataclasses.replace(
-      ExpertConfig.imperfect(warm.imperfection, seed=warm.seed),
-      give_up_after_hops=tuple(warm.give_up_after_hops),
-    )
     stats = expert_trajectories(
-      sw, files, data, expert=expert, agent_config=agent, seed=warm.seed,
+      sw, files, data, expert=warm_start_expert(warm), agent_config=agent, seed=warm.seed,
       samples_per_question=warm.samples_per_question,
     )  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,8 @@ def evaluate_card(
     "world": dataclasses.asdict(world),
     "world_digest": files.digest,
     "expert": {
-      "give_up_after_hops": list(warm.give_up_after_hops), "imperfection": warm.imperfection,
+      "give_up_after_hops": list(warm.give_up_after_hops) if warm.give_up_after_hops else None,
+      "p_guess": warm.p_guess, "imperfection": warm.imperfection,
       "samples_per_question": warm.samples_per_question, **expert_stats,
     },
     "data_sha256": sft_summary["data"]["data_sha256"],
@@ -90,6 +91,17 @@ def _pct(x: float) -> str:
   return f"{100 * x:.1f}%"
 
 
+def _give_up(expert: dict[str, Any]) -> str:
+  """How the card's expert gives up, in words."""
+  parts = []
+  if expert.get("give_up_after_hops"):
+    lo, hi = expert["give_up_after_hops"]
+    parts.append(f"gives up after {lo}-{hi} hops")
+  if expert.get("p_guess"):
+    parts.append(f"gives up at each search turn with probability {expert['p_guess']}")
+  return " or ".join(parts) or "sometimes gives up"
+
+
 def card_markdown(card: dict[str, Any], sft_card: str) -> str:
   """The model card: what the checkpoint is for, how to make it again, and its held-out scores."""
   e, lg = card["expert"], card["long"]
@@ -101,8 +113,8 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
   lines = [
     "# SynthWiki long-horizon warm start", "",
     "A tiny Qwen2-architecture policy trained from scratch by supervised fine-tuning on a scripted "
-    "expert that searches correctly, one search per hop, but gives up after "
-    f"{e['give_up_after_hops'][0]}-{e['give_up_after_hops'][1]} hops and answers with a guess; "
+    f"expert that searches correctly, one search per hop, but {_give_up(e)} and answers with a "
+    "guess; "
     "the starting point of `asearcher long-horizon`, whose RL should teach it to keep searching.",
     "", "## Reproduce", "", "```", card["command"], "```", "",
     f"World: SynthWiki seed {card['world']['seed']} (4-12-hop chains, hops isolated), digest "

@@ -20,9 +20,11 @@ so re-prefill sees every token produced under the old weights. With
 stop ids and budgets applied on the device (decode_calls.py); updates, aborts and admissions
 land between calls, up to k tokens later.
 
-Prefix reuse (an agent's next turn prefills only its new suffix: prefix_cache.py) and what a
-weight update does to keys/values ("recompute" as AReaL, or "keep" as PipelineRL, exact logprobs
-either way) are described with their settings in `DriverConfig`.
+Admission and every kind of prefill (whole, batched, in pieces, suffix) live in admission.py, a
+mixin of `Driver`. Prefix reuse (an agent's next turn prefills only its new suffix:
+prefix_cache.py), what a weight update does to keys/values ("recompute" as AReaL, or "keep" as
+PipelineRL, exact logprobs either way) and the prefill knobs are described with their settings in
+`DriverConfig`.
 
 Callers use `await driver.generate(...)` from any event loop; thousands of requests queue for the
 slots. An exception fails the requests it touched, with the reason, and the loop keeps serving.
@@ -40,10 +42,11 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-import numpy as np
+import jax
 from flax import nnx
 
 from asearcher_jax.serving import engine_steps as steps
+from asearcher_jax.serving.admission import Admission
 from asearcher_jax.serving.decode_calls import InFlight, plan_call, read_back
 from asearcher_jax.serving.engine import Engine
 from asearcher_jax.serving.prefix_cache import PrefixCache
@@ -77,6 +80,14 @@ class DriverConfig:
     parked prefixes, so every later token is sampled from exactly the new policy. "keep"
     (PipelineRL, prime-rl): leave them; later tokens come from the new weights over the older
     cache, with exact logprobs of that (the decoupled loss corrects for it), and no prefill.
+  batch_reprefill: under "recompute", re-prefill the in-flight slots grouped by prefill bucket in
+    chunks of 8/4/2/1 (the admission shapes, compiled by warm-up) instead of one call per slot
+    (False, as before 2026-11-26). The same keys/values either way.
+  prefill_chunk: a fresh prompt longer than this is prefilled in pieces of this many tokens (an
+    engine extend bucket), one piece per loop iteration with a decode call of the live slots
+    between pieces, so decoding never waits behind more than one piece (chunked prefill); the
+    first token is sampled from the last piece exactly as from a whole prefill. 0: every prompt
+    in one call (as before 2026-11-26).
   """
 
   request_timeout_s: float = 3600.0
@@ -84,13 +95,15 @@ class DriverConfig:
   max_admit_per_step: int = 8
   prefix_reuse: bool = True
   kv_on_update: str = "recompute"
+  batch_reprefill: bool = True
+  prefill_chunk: int = 0
 
   def __post_init__(self):
     if self.kv_on_update not in KV_ON_UPDATE:
       raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {self.kv_on_update!r}")
 
 
-class Driver:
+class Driver(Admission):
   """Serves `generate` requests through the engine's slots on a dedicated thread."""
 
   def __init__(self, engine: Engine, cfg: DriverConfig = DriverConfig()):
@@ -100,7 +113,14 @@ class Driver:
     self._version = int(self._params.version)
     self._state: steps.DecodeState = engine.init_decode_state()
     self._slots: list[Request | None] = [None] * engine.max_concurrent_decodes
+    if cfg.prefill_chunk and cfg.prefill_chunk not in engine.cfg.extend_buckets:
+      raise ValueError(
+        f"DriverConfig.prefill_chunk={cfg.prefill_chunk} must be one of the engine's extend "
+        f"buckets {engine.cfg.extend_buckets} (EngineConfig.suffix_buckets / prefill_buckets)"
+      )
     self._prefixes = PrefixCache(enabled=cfg.prefix_reuse)  # engine thread only
+    # Slots being prefilled piece by piece (prefill_chunk): slot -> (request, tokens done).
+    self._prefilling: dict[int, tuple[Request, int]] = {}  # engine thread only
     self._in_flight: InFlight | None = None  # engine thread only
     self._lock = threading.Lock()  # guards _queue, _by_id
     self._queue: collections.deque[Request] = collections.deque()
@@ -207,6 +227,15 @@ class Driver:
       "tokens_generated": self.metrics["tokens"],
       "decode_tokens_per_s": self.metrics["decode_tokens"] / decode_s,
       "prefill_s": self.metrics["prefill_s"],
+      # Prefill calls for admissions (fresh chunks and suffix chunks), not counting updates.
+      "prefill_calls": self.metrics["prefill_calls"],
+      # Pieces of long prompts prefilled in chunks (DriverConfig.prefill_chunk), and prompts in
+      # the middle of theirs now.
+      "prefill_pieces": self.metrics["prefill_pieces"],
+      "slots_prefilling": len(self._prefilling),
+      # The part of prefill_s / prefill_calls that were suffix prefills into parked slots.
+      "suffix_prefill_s": self.metrics["suffix_prefill_s"],
+      "suffix_prefill_calls": self.metrics["suffix_prefill_calls"],
       "decode_s": self.metrics["decode_s"],
       "decode_steps": self.metrics["decode_steps"],
       # Slots computed per decode step (decode_rows: only enough for the live ones).
@@ -241,9 +270,10 @@ class Driver:
         self._apply_update()
         self._reap_aborted()
         admitted = self._admit()
+        pieces = self._prefill_piece()
         if self._in_flight is not None or any(r is not None for r in self._slots):
           self._step()
-        elif not admitted:
+        elif not admitted and not pieces:
           self._wake.wait(self.cfg.idle_wait_s)
           self._wake.clear()
       except Exception as e:  # never let the thread die: fail what is in flight and go on
@@ -271,9 +301,16 @@ class Driver:
       self._version = update.version
       if not keep:
         self._prefixes.clear()  # their keys/values come from the old weights
-        for slot, req in enumerate(self._slots):
-          if req is not None:
+        # Pieces prefilled under the old weights are done again under the new ones.
+        self._prefilling = {slot: (req, 0) for slot, (req, _) in self._prefilling.items()}
+        live = [(slot, req) for slot, req in enumerate(self._slots) if req is not None]
+        if self.cfg.batch_reprefill:
+          self._reprefill_many(live)
+        else:
+          for slot, req in live:
             self._reprefill(slot, req)
+      # The update's time is its work, not its dispatch: the next decode call would wait for it.
+      jax.block_until_ready((self._params, self._state))
     except Exception as e:
       update.done.set_exception(e)
       raise
@@ -283,23 +320,15 @@ class Driver:
     self.metrics["updates"] += 1
     update.done.set_result(ms)
 
-  def _reprefill(self, slot: int, req: Request) -> None:
-    """Rebuilds a slot's cache under the current weights: prompt + all generated tokens but the
-    last, which was sampled already and is fed by the next step."""
-    ctx = req.prompt + req.tokens[:-1]
-    padded, n = self.engine.pad(ctx)
-    prefix = self.engine.prefill(
-      params=self._params, padded_tokens=padded, true_length=n, sampling=req.sampling, seed=req.seed
-    )
-    prefix = prefix.replace(next_token=np.int32(req.tokens[-1]))
-    self._state = self.engine.insert(prefix, self._state, slot)
-    self.metrics["reprefill_tokens"] += n
-
   def _reap_aborted(self) -> None:
     for slot, req in enumerate(self._slots):
       if req is not None and req.aborted:
         self._slots[slot] = None
         self._park(slot, req)
+        self._finish(req, "abort")
+    for slot, (req, _) in list(self._prefilling.items()):
+      if req.aborted:  # its slot holds part of a prompt: freed, not parked
+        del self._prefilling[slot]
         self._finish(req, "abort")
     with self._lock:
       aborted = [r for r in self._queue if r.aborted]
@@ -307,116 +336,6 @@ class Driver:
         self._queue = collections.deque(r for r in self._queue if not r.aborted)
     for req in aborted:
       self._finish(req, "abort")
-
-  def _admit(self) -> int:
-    """Fills free slots from the queue. A request whose prompt extends a parked slot's sequence
-    goes into that slot with a suffix prefill; the rest, grouped by prefill bucket, are prefilled
-    together in chunks of 8/4/2/1 (a handful of compiled shapes) and inserted into free slots,
-    then into reclaimed parked slots (least recently parked first)."""
-    free = self._free_slots()
-    with self._lock:
-      n = min(len(free) + len(self._prefixes), self.cfg.max_admit_per_step, len(self._queue))
-      taken = [self._queue.popleft() for _ in range(n)]
-    fresh: list[Request] = []
-    for req in taken:
-      hit = self._prefixes.take(req.prompt)
-      if hit is None:
-        fresh.append(req)
-      else:
-        self._admit_reuse(req, *hit)
-    free = self._free_slots()
-    while len(free) < len(fresh):  # reclaim: the parked slot's prefix is forgotten
-      free.append(self._prefixes.evict())
-      self.metrics["prefix_evictions"] += 1
-    by_bucket: dict[int, list[Request]] = collections.defaultdict(list)
-    for req in fresh:
-      by_bucket[self.engine.bucket_for(len(req.prompt))].append(req)
-    for reqs in by_bucket.values():
-      while reqs:
-        size = next(c for c in (8, 4, 2, 1) if c <= len(reqs))
-        chunk, reqs = reqs[:size], reqs[size:]
-        self._admit_chunk(chunk, [free.pop(0) for _ in chunk])
-    return len(taken)
-
-  def _free_slots(self) -> list[int]:
-    """Slots that hold neither a request nor a parked prefix."""
-    return [i for i, r in enumerate(self._slots) if r is None and i not in self._prefixes]
-
-  def _park(self, slot: int, req: Request) -> None:
-    """Keeps a slot whose request just left it (finished or aborted) for prefix reuse. Its cache
-    holds prompt + tokens[:-1]: the last token was sampled but never fed (a step dispatched
-    ahead may have fed it, but that is not relied upon)."""
-    if not self._prefixes.enabled:
-      return
-    self._state = self.engine.release(self._state, slot)
-    self._prefixes.park(slot, req.prompt + req.tokens[:-1])
-
-  def _admit_reuse(self, req: Request, slot: int, cached: list[int]) -> None:
-    t0 = time.perf_counter()
-    start, bucket, window = self.engine.extend_plan(len(cached), len(req.prompt))
-    try:
-      self._state, tok, lp, version, top = self.engine.extend_slot(
-        self._params,
-        self._state,
-        slot,
-        req.prompt[start:],
-        start,
-        sampling=req.sampling,
-        seed=req.seed,
-        bucket=bucket,
-        window=window,
-      )
-      first, logprob, version, top = int(tok), float(lp), int(version), tuple(map(np.asarray, top))
-    except Exception as e:
-      log.exception("suffix prefill failed for %s", req.id)
-      self.metrics["engine_errors"] += 1
-      self._state = self.engine.init_decode_state()  # the old one may have been donated
-      self._fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))  # clears parked
-      self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
-      return
-    self.metrics["prefill_s"] += time.perf_counter() - t0
-    self.metrics["prefix_hits"] += 1
-    self.metrics["prefix_tokens_reused"] += start
-    self.metrics["prefill_tokens"] += len(req.prompt) - start
-    reason = self._append(req, first, logprob, version, top)
-    if reason is not None:
-      self._park(slot, req)
-      self._finish(req, reason)
-      return
-    req.slot = slot
-    self._slots[slot] = req
-
-  def _admit_chunk(self, chunk: list[Request], slots: list[int]) -> None:
-    t0 = time.perf_counter()
-    try:
-      prefixes = self.engine.prefill_many(
-        params=self._params,
-        prompts=[r.prompt for r in chunk],
-        samplings=[r.sampling for r in chunk],
-        seeds=[r.seed for r in chunk],
-      )
-      first = np.asarray(prefixes.next_token)
-      logprobs = np.asarray(prefixes.next_logprob)
-      versions = np.asarray(prefixes.version)
-      tops = np.asarray(prefixes.top_ids), np.asarray(prefixes.top_logprobs)
-      self._state = self.engine.insert_many(prefixes, self._state, slots)
-    except Exception as e:
-      log.exception("prefill failed for %s", [r.id for r in chunk])
-      self.metrics["engine_errors"] += 1
-      for req in chunk:
-        self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
-      return
-    self.metrics["prefill_s"] += time.perf_counter() - t0
-    self.metrics["prefill_tokens"] += sum(len(r.prompt) for r in chunk)
-    for i, (req, slot) in enumerate(zip(chunk, slots, strict=True)):
-      top = tops[0][i], tops[1][i]
-      reason = self._append(req, int(first[i]), float(logprobs[i]), int(versions[i]), top)
-      if reason is not None:
-        self._park(slot, req)
-        self._finish(req, reason)  # finished on its first token: its slot stays free
-        continue
-      req.slot = slot
-      self._slots[slot] = req
 
   def _step(self) -> None:
     """Dispatches the next call for the live slots, then records the previous call's tokens."""
@@ -498,6 +417,9 @@ class Driver:
   def _fail_active(self, error: Exception) -> None:
     self._in_flight = None  # its tokens belong to the requests failed here
     self._prefixes.clear()  # their keys/values may be lost with the decode state
+    prefilling, self._prefilling = self._prefilling, {}
+    for req, _ in prefilling.values():
+      self._finish(req, error=error)
     for slot, req in enumerate(self._slots):
       if req is not None:
         self._slots[slot] = None

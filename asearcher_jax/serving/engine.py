@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import time
 from collections.abc import Collection, Sequence
 
 import jax
@@ -29,6 +28,7 @@ from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.kv_cache import KVCache
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving import engine_steps as steps
+from asearcher_jax.serving import engine_warmup
 from asearcher_jax.serving.engine_steps import DecodeState, Prefix, VersionedParams
 from asearcher_jax.serving.jetstream import EngineContract, engine_api
 from asearcher_jax.serving.mesh import (
@@ -66,6 +66,13 @@ class EngineConfig:
     default: on 2 CPU cores (2026-11-25, benchmarks/decode.py) 8 gave 1.07-1.11x at batch 1-8,
     1.0x at 32 and 0.9x on the long tail, since the driver's one-call-ahead loop already hides
     the host's work there; it is for accelerators, where a step is short next to a dispatch.
+  suffix_batch: how many parked slots one suffix prefill call may cover (`extend_slots`): the
+    driver admits the agent turns that arrive together in chunks of these sizes, largest first.
+    Each size above 1 compiles one more suffix prefill per shape; sizes above max_slots are
+    ignored. (1,) (the default) is one call per slot: on 2 CPU cores (2026-11-26,
+    benchmarks/prefill.py) 8 suffixes in one call took 1/1.6 of the time of 8 calls, but in
+    benchmarks/async_vs_sync.py only ~1.2 turns arrived together per call and the extra shapes
+    made the quickstart's warm-up ~1.5x longer; (1, 2, 4, 8) is for bursty agent traffic.
   mesh: the engine's devices (tensor parallelism over heads, MLP and KV cache; see mesh.py).
   """
 
@@ -75,6 +82,7 @@ class EngineConfig:
   suffix_buckets: tuple[int, ...] = (32, 64, 128, 256)
   decode_rows: tuple[int, ...] = (8, 16)
   decode_steps_per_call: int = 1
+  suffix_batch: tuple[int, ...] = (1,)
   mesh: ServingMeshConfig = dataclasses.field(default_factory=ServingMeshConfig)
 
   def __post_init__(self):
@@ -82,6 +90,8 @@ class EngineConfig:
       raise ValueError("max_slots must be >= 1 and max_seq_len >= 2")
     if self.decode_steps_per_call < 1:
       raise ValueError(f"decode_steps_per_call must be >= 1, got {self.decode_steps_per_call}")
+    if 1 not in self.suffix_batch or min(self.suffix_batch) < 1:
+      raise ValueError(f"suffix_batch must contain 1 and no size below 1, got {self.suffix_batch}")
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -92,6 +102,11 @@ class EngineConfig:
   def row_buckets(self) -> tuple[int, ...]:
     """Decode-step sizes, ascending; max_slots (every slot, no gather) is always the last."""
     return (*sorted({r for r in self.decode_rows if 0 < r < self.max_slots}), self.max_slots)
+
+  @property
+  def suffix_chunks(self) -> tuple[int, ...]:
+    """Rows per suffix prefill call, largest first (always ending in 1)."""
+    return tuple(sorted({k for k in self.suffix_batch if k <= self.max_slots}, reverse=True))
 
   @property
   def extend_buckets(self) -> tuple[int, ...]:
@@ -144,46 +159,9 @@ class Engine(EngineContract):
     modes: Sequence[SamplingMode] = ("greedy", "sample"),
     extend: bool = True,
   ) -> float:
-    """Compiles prefill (every bucket x admission chunk x mode), insert and every decode window
-    (one step, and the multi-step call when decode_steps_per_call > 1) now, so that no request
-    pays a compile later; returns the seconds taken. "truncate" (top-p/top-k) compiles on first
-    use unless listed in `modes`. extend: also every suffix
-    prefill shape (suffix bucket x window x mode) that prefix reuse uses."""
-    t0 = time.perf_counter()
-    params, state = self.load_params(), self.init_decode_state()
-    for bucket in self.cfg.buckets:
-      prompt = [1] * min(bucket, self.cfg.max_seq_len - 1)
-      for mode in modes:
-        temp = 0.0 if mode == "greedy" else 1.0
-        for k in chunks:
-          sp = [SamplingParams(temperature=temp, top_p=0.9 if mode == "truncate" else 1.0)] * k
-          prefixes = self.prefill_many(params=params, prompts=[prompt] * k, samplings=sp,
-                                       seeds=list(range(k)))  # fmt: skip
-          state = self.insert_many(prefixes, state, list(range(k)))
-      padded, n = self.pad(prompt)
-      state = self.insert(
-        self.prefill(params=params, padded_tokens=padded, true_length=n), state, 0
-      )
-    if extend:
-      for sb in self.cfg.extend_buckets:
-        for window in self.cfg.buckets:
-          if window < sb:
-            continue
-          for mode in modes:
-            sp = SamplingParams(temperature=0.0 if mode == "greedy" else 1.0)
-            state, *_ = self.extend_slot(params, state, 0, [1], window - sb, sampling=sp,
-                                         bucket=sb, window=window)  # fmt: skip
-    for window in self.cfg.buckets:
-      for mode in modes:
-        for size in self.cfg.row_buckets:
-          live = range(size) if size < self.cfg.max_slots else None
-          state, result = self.generate(params, state, max_length=window, mode=mode, live=live)
-          if self.cfg.decode_steps_per_call > 1:
-            slots = list(live or range(size))
-            state, *_ = self.generate_chunk(params, state, slots, [1] * size, [()] * size,
-                                            max_length=window, mode=mode)  # fmt: skip
-    np.asarray(result.data)
-    return time.perf_counter() - t0
+    """Compiles every shape serving uses now, so that no request pays a compile later; returns
+    the seconds taken (`engine_warmup.warmup` says which shapes)."""
+    return engine_warmup.warmup(self, chunks=chunks, modes=modes, extend=extend)
 
   # --- JetStream Engine API -------------------------------------------------------------------
 
@@ -428,6 +406,49 @@ class Engine(EngineContract):
       decode_state, row, slot_, jnp.asarray(start + n, jnp.int32), tok, key, temperature, top_p,
       top_k,
     )  # fmt: skip
+    return state, tok, lp, version, top
+
+  def extend_slots(
+    self,
+    params: VersionedParams,
+    decode_state: DecodeState,
+    slots: Sequence[int],
+    suffixes: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    *,
+    samplings: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    bucket: int,
+    window: int,
+  ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """`extend_slot` for several distinct slots in one call, every suffix padded to one `bucket`
+    and attending over one `window` (at least each row's start + bucket). Returns (state, first
+    tokens [k], their logprobs [k], version, (top ids [k, n], their logprobs [k, n])) on device;
+    row i is exactly what `extend_slot` gives slots[i] alone (same keys, positions and mode)."""
+    k = len(slots)
+    if not k == len(suffixes) == len(starts) == len(samplings) == len(seeds) or len(set(slots)) < k:
+      raise ValueError(f"bad batched suffix prefill: slots {list(slots)}, {len(suffixes)} suffixes")
+    padded = np.zeros((k, bucket), np.int32)
+    for i, (suffix, start) in enumerate(zip(suffixes, starts, strict=True)):
+      n = len(suffix)
+      if n < 1 or n > bucket or start + bucket > window or window > self.cfg.max_seq_len:
+        raise ValueError(f"bad suffix prefill: start={start} n={n} bucket={bucket} window={window}")
+      padded[i, :n] = suffix
+    samp = steps.RowSampling(
+      jnp.stack([jax.random.PRNGKey(s) for s in seeds]),
+      jnp.asarray([s.temperature for s in samplings], jnp.float32),
+      jnp.asarray([s.top_p for s in samplings], jnp.float32),
+      jnp.asarray([s.top_k for s in samplings], jnp.int32),
+    )
+    slots_ = jnp.asarray(slots, jnp.int32)
+    starts_ = np.asarray(starts, np.int32)
+    lengths = np.asarray([len(x) for x in suffixes], np.int32)
+    rows, tok, lp, version, top = steps.EXTEND_ROWS(
+      self._graphdef, window, mode_for(samplings), params, decode_state.cache, slots_,
+      jnp.asarray(padded), jnp.asarray(starts_), jnp.asarray(lengths), samp,
+      top_n=steps.TOP_N if any(s.top_logprobs for s in samplings) else 0,
+    )  # fmt: skip
+    state = steps.PUT_ROWS(decode_state, rows, slots_, jnp.asarray(starts_ + lengths), tok, samp)
     return state, tok, lp, version, top
 
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:

@@ -1,11 +1,12 @@
 """The engine's device side: its state types and the pure step functions, jitted once per process.
 
-`Engine` (engine.py) is the thin stateful wrapper the JetStream contract and the driver call; everything
-that runs on the device is here, at module level (prefill, insert, one decode step over every slot or
-over a few rows, several decode steps in one call, the two halves of a suffix prefill, release). Every generate step writes, per slot,
-the sampled token, its logprob under the sampling distribution and the policy version of the weights
-that produced it into one packed `ResultTokens` array (columns below), so nothing else crosses back
-to the host per step.
+`Engine` (engine.py) is the thin stateful wrapper the JetStream contract and the driver call;
+everything that runs on the device is here, at module level (prefill, insert, one decode step over
+every slot or over a few rows, several decode steps in one call, the two halves of a suffix
+prefill of one or several slots, release). Every generate step writes, per slot, the sampled
+token, its logprob under the sampling distribution and the policy version of the weights that
+produced it into one packed `ResultTokens` array (columns below), so nothing else crosses back to
+the host per step.
 """
 
 from __future__ import annotations
@@ -356,6 +357,35 @@ def _put_row(state: DecodeState, row_cache: KVCache, slot, length, token, key, t
   )
 
 
+def _extend_rows(graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams,
+                 cache: KVCache, slots, tokens, starts, true_lengths, samp: RowSampling, *,
+                 top_n: int = 0):  # fmt: skip
+  """`_extend_row` for k parked slots in one call: slots [k] (distinct), tokens [k, bucket],
+  starts and true_lengths [k], samp's leaves [k]. One dispatch, one pass over the weights and k
+  rows of work instead of k of each: an agent's turns come back from their tools in bursts, and
+  on a small model each suffix prefill is mostly fixed cost. Returns (the rows' new caches [k,
+  ...], tokens [k], logprobs [k], version, (top ids [k, top_n], their logprobs))."""
+  model: Transformer = nnx.merge(graphdef, params.state)
+  rows = KVCache(k=tuple(b[slots] for b in cache.k), v=tuple(b[slots] for b in cache.v))
+  hidden, rows = model.extend(tokens, starts, rows, attend_len, return_hidden=True)
+  h_last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)
+  last = model.logits(h_last)[:, 0]
+  pos = starts + true_lengths - 1
+  tok, lp = sample(last, samp.key, pos, samp.temperature, samp.top_p, samp.top_k, mode)
+  return rows, tok, lp, params.version, _top(last, samp.temperature, top_n)
+
+
+def _put_rows(state: DecodeState, rows: KVCache, slots, lengths, tokens,
+              samp: RowSampling) -> DecodeState:  # fmt: skip
+  """The write half of `_extend_rows`: row i goes into slot slots[i] in place (k is static: a
+  chain of row writes, as `_insert_many`), and the slots are activated."""
+  for i in range(slots.shape[0]):
+    row = KVCache(k=tuple(b[i : i + 1] for b in rows.k), v=tuple(b[i : i + 1] for b in rows.v))
+    state = _put_row(state, row, slots[i], lengths[i], tokens[i], samp.key[i],
+                     samp.temperature[i], samp.top_p[i], samp.top_k[i])  # fmt: skip
+  return state
+
+
 def _release(state: DecodeState, slot) -> DecodeState:
   return state.replace(active=state.active.at[slot].set(False))
 
@@ -395,4 +425,6 @@ DECODE_CHUNK = jax.jit(
 )
 EXTEND_ROW = jax.jit(_extend_row, static_argnums=(0, 1, 2), static_argnames="top_n")
 PUT_ROW = jax.jit(_put_row, donate_argnums=0)
+EXTEND_ROWS = jax.jit(_extend_rows, static_argnums=(0, 1, 2), static_argnames="top_n")
+PUT_ROWS = jax.jit(_put_rows, donate_argnums=0)
 RELEASE = jax.jit(_release, donate_argnums=0)

@@ -86,6 +86,17 @@ def test_perfect_expert_searches_once_per_hop_and_the_warm_start_expert_gives_up
   assert sum(t.score for t in hasty) <= 0.3 * len(qs_)
 
 
+def test_the_warm_start_expert_gives_up_by_range_or_by_chance():
+  geometric = lh.warm_start_expert(lh.LongWarmStart(give_up_after_hops=None, p_guess=0.15))
+  assert geometric.p_guess == 0.15 and geometric.give_up_after_hops is None
+  assert geometric.p_sloppy_query == 0.0  # imperfection 0: no other mistake
+  ranged = lh.warm_start_expert(lh.LongWarmStart(give_up_after_hops=(2, 4), imperfection=0.4))
+  assert ranged.give_up_after_hops == (2, 4) and ranged.p_guess == 0.25 * 0.4  # the level's
+  words = lh.long_warm_start._give_up({"give_up_after_hops": None, "p_guess": 0.15})
+  assert "probability 0.15" in words and "after" not in words
+  assert "after 2-4 hops" in lh.long_warm_start._give_up({"give_up_after_hops": [2, 4]})
+
+
 def test_give_up_range_is_checked():
   with pytest.raises(ValueError, match="give_up_after_hops"):
     ExpertConfig(give_up_after_hops=(3, 2))
