@@ -47,7 +47,8 @@ class Admission:
     """Fills free slots from the queue. A request whose prompt extends a parked slot's sequence
     goes into that slot with a suffix prefill; the rest, grouped by prefill bucket, are prefilled
     together in chunks of 8/4/2/1 (a handful of compiled shapes) and inserted into free slots,
-    then into reclaimed parked slots (least recently parked first)."""
+    then into reclaimed parked slots (least recently parked first). A prompt longer than
+    `prefill_chunk` (when set) only takes its slot here; `_prefill_piece` fills it."""
     free = self._free_slots()
     with self._lock:
       n = min(len(free) + len(self._prefixes), self.cfg.max_admit_per_step, len(self._queue))
