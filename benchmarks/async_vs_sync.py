@@ -604,9 +604,9 @@ def parse(argv: list[str] | None) -> Workload:
     "rest); '' = all cores shared",
   )  # fmt: skip
   p.add_argument(
-    "--engine-settings", default=d.engine_settings, choices=("new", "old", "both"),
+    "--engine-settings", default=None, choices=("new", "old", "both"),
     help="async mode's engine: batched suffix prefills and re-prefills (new), one call per slot "
-    "(old), or both side by side",
+    "(old), or both side by side (the default with --engine thread; new with --engine process)",
   )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   p.add_argument(
@@ -616,6 +616,8 @@ def parse(argv: list[str] | None) -> Workload:
   a = p.parse_args(argv)
   if a.engine == "process" and a.kv_on_update == "both":
     p.error("--kv-on-update both needs --engine thread")
+  if a.engine_settings is None:
+    a.engine_settings = d.engine_settings if a.engine == "thread" else "new"
   if a.engine == "process" and a.engine_settings == "both":
     p.error("--engine-settings both needs --engine thread")
   if a.engine_cpus and a.engine != "process":
