@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asearcher_jax.serving.driver")
 
+# Requests per whole-prompt prefill call (admissions and an update's re-prefills), largest first:
+# the shapes `Engine.warmup(chunks=...)` compiles.
+PREFILL_CHUNKS = (8, 4, 2, 1)
+
 
 class Admission:
   """The admission half of `Driver`: the attributes below are the driver's (driver.py), as are
@@ -74,7 +78,7 @@ class Admission:
       by_bucket[self.engine.bucket_for(len(req.prompt))].append(req)
     for reqs in by_bucket.values():
       while reqs:
-        size = next(c for c in (8, 4, 2, 1) if c <= len(reqs))
+        size = next(c for c in PREFILL_CHUNKS if c <= len(reqs))
         chunk, reqs = reqs[:size], reqs[size:]
         self._admit_chunk(chunk, [free.pop(0) for _ in chunk])
     return len(taken)
@@ -256,7 +260,7 @@ class Admission:
       by_bucket[self.engine.bucket_for(len(req.prompt) + len(req.tokens) - 1)].append((slot, req))
     for group in by_bucket.values():
       while group:
-        size = next(c for c in (8, 4, 2, 1) if c <= len(group))
+        size = next(c for c in PREFILL_CHUNKS if c <= len(group))
         chunk, group = group[:size], group[size:]
         reqs = [r for _, r in chunk]
         prefixes = self.engine.prefill_many(
