@@ -102,3 +102,25 @@ def test_two_sequences_every_token_once_html_and_terminal():
   terminal.print_episode(ep, console, tok)
   out = console.export_text()
   assert "failure" in out and "compaction" in out and "sequence 1" in out
+
+
+def test_tokens_that_split_a_character_show_their_bytes_and_still_join_to_the_text():
+  """The model can sample byte tokens that are part of a character, or stray bytes that are no
+  character: each is drawn as its vocabulary entry, never as an empty or replacement glyph."""
+  tok = Tokenizer.qwen2()
+  emoji = [tok.token_to_id(c) for c in "ðŁĻĤ"]  # the four bytes of U+1F642, one token each
+  stray = [tok.token_to_id("ð")]  # a lead byte with nothing after it
+  out = [*tok.encode("a"), *emoji, *tok.encode(" b"), *stray, *tok.encode("c")]
+  assert None not in out
+  call = LLMCall(
+    index=0, kind="act", input_ids=np.asarray(tok.encode("Q:"), np.int32),
+    output_ids=np.asarray(out, np.int32), logprobs=np.full(len(out), -0.5),
+    versions=np.zeros(len(out), np.int32), stop_reason="stop", max_new_tokens=64, text="",
+  )  # fmt: skip
+  traj = Trajectory(agent="search-r1", question="q", answers=["a"], calls=[call])
+  (rows,) = ev.token_rows(traj, tok)
+  shown = [r.text for r in rows[len(call.input_ids) :]]
+  assert shown == ["a", "ð", "Ł", "Ļ", "Ĥ", " b", "ð", "c"]
+  assert all(t and "\ufffd" not in t for t in shown)
+  # Together the four byte tokens are the emoji; the stray byte is a replacement character.
+  assert tok.decode(out) == "a\U0001f642 b\ufffdc"
