@@ -5,7 +5,7 @@ same sharded code a TPU slice would. Tests never touch the network.
 
 One persistent JAX compilation cache for the session, inherited by every subprocess the tests
 start (`asearcher train` lives, sweep points, launched roles): the same tiny programs compiled once
-instead of once per process, as an operator's restarts would (compiles over 1 s are cached).
+instead of once per process, as an operator's restarts would.
 """
 
 import atexit
@@ -34,11 +34,15 @@ def _own_temp_dir(var: str, prefix: str) -> None:
   atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
-# Set once in the controlling process, so pytest-xdist workers share the compilation cache (its
-# size bound turns on JAX's file lock for concurrent readers and writers).
+# Set once in the controlling process, so pytest-xdist workers share the compilation cache. Every
+# compile is cached (the tests' programs are small: most compile in 0.02-1 s, and the same ones
+# recur across tests and processes). No size bound: with one, JAX lists the whole directory under a
+# file lock on every write (~10 ms each with a thousand entries). Without the lock a reader that
+# meets a half-written entry fails to decompress it, warns and compiles (jax/_src/compiler.py).
 if os.environ.get("PYTEST_XDIST_WORKER") is None:
   _own_temp_dir("JAX_COMPILATION_CACHE_DIR", "asearcher-test-jax-cache-")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # One ASEARCHER_HOME per test process (per xdist worker): the default index is never built by two
 # workers into one directory at once, and the user's ~/.cache is never touched.
 _own_temp_dir("ASEARCHER_HOME", "asearcher-test-home-")

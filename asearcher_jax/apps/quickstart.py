@@ -217,6 +217,9 @@ class QuickstartRL:
   kinds: tuple[str, ...] | None = None
   # In-flight keys/values on a weight update (`DriverConfig.kv_on_update`): "recompute" | "keep".
   kv_on_update: str = "recompute"
+  # Re-prefill in-flight slots grouped by bucket on a weight update (`DriverConfig.batch_reprefill`);
+  # False is one call per slot, the engine's setting before 2026-11-26 (for side-by-side runs).
+  batch_reprefill: bool = True
   # Fail the stage if no batch of accepted groups arrives within this long.
   batch_timeout_s: float = 900.0
   # The RL reward (`TrainConfig.reward`): "answer" (the ASearcher F1 reward) or "smoke" (the
@@ -276,7 +279,9 @@ def quickstart(
           batch_groups=rl.batch_groups, max_staleness=rl.max_staleness, max_concurrent=rl.max_concurrent
         ),
         engine=engine,
-        driver=DriverConfig(request_timeout_s=600.0, kv_on_update=rl.kv_on_update),
+        driver=DriverConfig(
+          request_timeout_s=600.0, kv_on_update=rl.kv_on_update, batch_reprefill=rl.batch_reprefill
+        ),
         agent=AgentChoice(name="asearcher", configs={"asearcher": agent}),
         tools=wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=(server.address,))),
         rollout=RolloutConfig(

@@ -360,6 +360,11 @@ class Engine(EngineContract):
     start = min(start, self.cfg.max_seq_len - sb)
     return start, sb, self.bucket_for(start + sb)
 
+  def _check_suffix(self, start: int, n: int, bucket: int, window: int) -> None:
+    """A suffix of n tokens at `start` must fit its bucket, and the bucket its window and cache."""
+    if n < 1 or n > bucket or start + bucket > window or window > self.cfg.max_seq_len:
+      raise ValueError(f"bad suffix prefill: start={start} n={n} bucket={bucket} window={window}")
+
   def extend_slot(
     self,
     params: VersionedParams,
@@ -380,8 +385,7 @@ class Engine(EngineContract):
     n = len(suffix)
     if bucket is None:
       _, bucket, window = self.extend_plan(start, start + n)
-    if n < 1 or n > bucket or start + bucket > window or window > self.cfg.max_seq_len:
-      raise ValueError(f"bad suffix prefill: start={start} n={n} bucket={bucket} window={window}")
+    self._check_suffix(start, n, bucket, window)
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :n] = suffix
     key = jax.random.PRNGKey(seed)
@@ -431,8 +435,7 @@ class Engine(EngineContract):
     padded = np.zeros((k, bucket), np.int32)
     for i, (suffix, start) in enumerate(zip(suffixes, starts, strict=True)):
       n = len(suffix)
-      if n < 1 or n > bucket or start + bucket > window or window > self.cfg.max_seq_len:
-        raise ValueError(f"bad suffix prefill: start={start} n={n} bucket={bucket} window={window}")
+      self._check_suffix(start, n, bucket, window)
       padded[i, :n] = suffix
     samp = steps.RowSampling(
       jnp.stack([jax.random.PRNGKey(s) for s in seeds]),

@@ -267,4 +267,6 @@ def cpu_env(compile_cache: Path | None = None) -> dict[str, str]:
     env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    # No size bound: one life runs at a time, and a bound makes every write list the directory.
+    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
   return env
