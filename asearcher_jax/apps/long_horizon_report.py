@@ -87,6 +87,21 @@ def train_distribution(rows: Sequence[Mapping[str, float]]) -> list[dict[str, fl
   return out
 
 
+def run_total(rows: Sequence[Mapping[str, float]], key: str) -> float:
+  """A cumulative rollout counter over every life of the run: the trainer keeps it in memory, so
+  it restarts from 0 when a stopped run resumes. A life ends where the counter drops or the step
+  goes back (to the checkpoint the next life restored); each life's last value counts."""
+  total, prev, prev_step = 0.0, 0.0, -math.inf
+  for r in rows:
+    if key not in r:
+      continue
+    v, step = float(r[key]), float(r.get("step", prev_step))
+    if v < prev or step < prev_step:
+      total += prev
+    prev, prev_step = v, step
+  return total + prev
+
+
 def replay_buckets(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
   """Per trajectory-length bucket over the whole run: groups accepted, rejected, trained and
   discarded (sums of the per-step windows), acceptance rate, staleness mean and max."""
@@ -128,7 +143,6 @@ def build(root: Path, *, long_hops: int) -> dict[str, Any]:
   metrics = qs_report.read_metrics(root / "rl" / "metrics" / "metrics.jsonl")
   dist = train_distribution(metrics)
   p90 = [(d["step"], d["p90"]) for d in dist if math.isfinite(d["p90"])]
-  last = metrics[-1] if metrics else {}
   summary.update(
     long_hops=long_hops, long_questions=lb["questions"],
     avg4_sft_long=lb["avg_em"], avg4_rl_long=la["avg_em"],
@@ -141,9 +155,9 @@ def build(root: Path, *, long_hops: int) -> dict[str, Any]:
     train_tool_calls_p90_last=qs_report.window_mean(p90, first=False),
     replay_buckets=replay_buckets(metrics),
     limit_hits={
-      "train_turn_limit": float(last.get("rollout/turn_limit_trajectories", 0.0)),
-      "train_token_limit": float(last.get("rollout/token_limit_trajectories", 0.0)),
-      "train_trajectories": float(last.get("rollout/trajectories", 0.0)),
+      "train_turn_limit": run_total(metrics, "rollout/turn_limit_trajectories"),
+      "train_token_limit": run_total(metrics, "rollout/token_limit_trajectories"),
+      "train_trajectories": run_total(metrics, "rollout/trajectories"),
       "eval_sft_turn_limit": lb["turn_limit"], "eval_sft_token_limit": lb["token_limit"],
       "eval_rl_turn_limit": la["turn_limit"], "eval_rl_token_limit": la["token_limit"],
     },

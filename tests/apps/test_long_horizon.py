@@ -13,6 +13,7 @@ import json
 import pytest
 
 from asearcher_jax.apps import long_horizon as lh
+from asearcher_jax.apps import long_horizon_report as report
 from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps.warm_start import WARM_START_OPTIMIZER, SFTStage
 from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
@@ -171,3 +172,16 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert set(s["bars"]) >= {"tool_calls_rl_long>=10", "avg4_long_gain>=10pt"}
   assert s["warm_start_expert"]["trajectories"] > 0
   assert (run_dir / "report" / "long_horizon.md").read_text().startswith("# Long-horizon")
+
+
+def test_limit_counters_add_up_over_the_lives_of_a_resumed_run():
+  # Life 1 logs steps 1-3 (counter 2, 5, 7) and is killed after its step-2 checkpoint; life 2
+  # restores step 2, logs steps 3-4 from 0 again (1, 4); life 3 resumes after step 4's checkpoint.
+  key = "rollout/turn_limit_trajectories"
+  rows = [
+    {"step": 1, key: 2}, {"step": 2, key: 5}, {"step": 3, key: 7}, {"step": 3, "eval/x": 1.0},
+    {"step": 3, key: 1}, {"step": 4, key: 4}, {"step": 5, key: 2}, {"step": 6, key: 3},
+  ]  # fmt: skip
+  assert report.run_total(rows, key) == 7 + 4 + 3
+  assert report.run_total(rows[:3], key) == 7  # one life: its last value
+  assert report.run_total([], key) == 0.0
