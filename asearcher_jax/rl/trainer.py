@@ -448,8 +448,13 @@ class Trainer:
       metrics["engine/requests_aborted"] = float(s.get("requests_aborted", 0.0))
       metrics["engine/decode_tokens_per_s"] = float(s.get("decode_tokens_per_s", 0.0))
       # Engine-thread seconds so far: admissions' prefills, weight updates (with their
-      # re-prefills under kv_on_update="recompute"), decode steps.
-      for k in ("prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens"):
+      # re-prefills under kv_on_update="recompute"), decode steps; the part of prefill that
+      # went into parked slots (suffix prefills) and the prefix tokens that reuse saved.
+      for k in (
+        "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens",
+        "suffix_prefill_s", "suffix_prefill_calls", "prefill_calls", "prefix_hits",
+        "prefix_tokens_reused",
+      ):  # fmt: skip
         metrics[f"engine/{k}"] = float(s.get(k, 0.0))
     metrics = {k: float(v) for k, v in metrics.items()}
     self.history.append(metrics)
