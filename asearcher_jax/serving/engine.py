@@ -52,7 +52,8 @@ class EngineConfig:
     max_seq_len are dropped and max_seq_len is always a bucket.
   suffix_buckets: extra padded lengths for suffix prefills onto a cached prefix (the driver's
     prefix reuse: an agent turn appends a few hundred tokens to a context already in a slot);
-    the prefill buckets are suffix buckets too.
+    the prefill buckets are suffix buckets too. A suffix costs its bucket, not its length: keep
+    a small bucket where turns continue a call with nothing new (a 1-token suffix).
   decode_rows: decode-step sizes below max_slots: a step with at most r live slots (the
     smallest such r) gathers their cache rows and computes r rows instead of max_slots. Agent
     episodes spend most of their time waiting for tools with their slot parked, so a large
