@@ -60,7 +60,9 @@ cores). The per-mode "engine" entry gives prefill, weight-update and decode seco
 engine thread's busy seconds per trained token. By default (`--engine-settings both`) the async
 mode runs twice, with the new engine settings (suffix prefills of turns that arrive together in
 one call, `EngineConfig.suffix_batch`; an update's re-prefills batched by bucket,
-`DriverConfig.batch_reprefill`) and with the old ones (one call per slot for both), and
+`DriverConfig.batch_reprefill`; a turn that continues its last call with nothing new admitted
+with no prefill, `DriverConfig.continue_in_decode`) and with the old ones (one call per slot for
+each), and
 "engine_settings" in the JSON compares them (issue 27's bar: new busy per trained token <= 0.6 x
 old). The last line is one JSON object.
 
@@ -318,10 +320,13 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
 
 
 def use_old_engine_settings(shared: Shared) -> None:
-  """The engine as it was before 2026-11-26: one suffix prefill call per parked slot and one
-  re-prefill call per in-flight slot on a weight update (the driver reads both settings live)."""
+  """The engine as it was before 2026-11-26: one suffix prefill call per parked slot (a turn
+  that continues its last call with nothing new included) and one re-prefill call per in-flight
+  slot on a weight update (the driver reads these settings live)."""
   shared.engine.cfg = dataclasses.replace(shared.engine.cfg, suffix_batch=(1,))
-  shared.driver.cfg = dataclasses.replace(shared.driver.cfg, batch_reprefill=False)
+  shared.driver.cfg = dataclasses.replace(
+    shared.driver.cfg, batch_reprefill=False, continue_in_decode=False
+  )
 
 
 def warm_up(shared: Shared, w: Workload) -> dict[str, float]:
@@ -557,6 +562,7 @@ def run_mode(
       "prefill_calls": int(end["prefill_calls"] - stats0["prefill_calls"]),
       "suffix_prefill_s": round(end["suffix_prefill_s"] - stats0["suffix_prefill_s"], 2),
       "suffix_prefill_calls": int(end["suffix_prefill_calls"] - stats0["suffix_prefill_calls"]),
+      "decode_continuations": int(end["decode_continuations"] - stats0["decode_continuations"]),
       "decode_steps": int(steps_n),
       "rows_per_step": round(rows_n / max(steps_n, 1), 2),
     },

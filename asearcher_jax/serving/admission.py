@@ -143,11 +143,12 @@ class Admission:
   def _park(self, slot: int, req: Request) -> None:
     """Keeps a slot whose request just left it (finished or aborted) for prefix reuse. Its cache
     holds prompt + tokens[:-1]: the last token was sampled but never fed (a step dispatched
-    ahead may have fed it, but that is not relied upon)."""
+    ahead may have fed it, but that is not relied upon). A continuation that leaves before its
+    first token (`_admit_continuation`) holds prompt[:-1]: its last prompt token was not fed."""
     if not self._prefixes.enabled:
       return
     self._state = self.engine.release(self._state, slot)
-    self._prefixes.park(slot, req.prompt + req.tokens[:-1])
+    self._prefixes.park(slot, req.prompt + req.tokens[:-1] if req.tokens else req.prompt[:-1])
 
   def _admit_reuses(self, hits: list[tuple[Request, int, list[int]]]) -> None:
     """Admits requests into the parked slots that hold their prefixes: suffix prefills grouped
@@ -155,6 +156,9 @@ class Admission:
     over the chunk's largest window)."""
     by_bucket: dict[int, list[tuple[Request, int, int, int]]] = collections.defaultdict(list)
     for req, slot, cached in hits:
+      if self.cfg.continue_in_decode and len(req.prompt) == len(cached) + 1:
+        self._admit_continuation(req, slot)
+        continue
       start, bucket, window = self.engine.extend_plan(len(cached), len(req.prompt))
       by_bucket[bucket].append((req, slot, start, window))
     for bucket, group in by_bucket.items():
@@ -162,6 +166,29 @@ class Admission:
         size = next(c for c in self.engine.cfg.suffix_chunks if c <= len(group))
         chunk, group = group[:size], group[size:]
         self._admit_reuse_chunk(chunk, bucket)
+
+  def _admit_continuation(self, req: Request, slot: int) -> None:
+    """Admits a turn whose one new token is the one its slot's last call sampled: the slot goes
+    live with that token to feed, and the next decode step samples the turn's first token."""
+    t0 = time.perf_counter()
+    try:
+      self._state = self.engine.activate_slot(
+        self._state, slot, req.prompt[-1], len(req.prompt) - 1, sampling=req.sampling,
+        seed=req.seed,
+      )  # fmt: skip
+    except Exception as e:
+      log.exception("activation failed for %s", req.id)
+      self.metrics["engine_errors"] += 1
+      self._state = self.engine.init_decode_state()  # the old one may have been donated
+      self._fail_active(EngineError(f"activation failed: {type(e).__name__}: {e}"))
+      self._finish(req, error=EngineError(f"activation failed: {type(e).__name__}: {e}"))
+      return
+    self.metrics["prefill_s"] += time.perf_counter() - t0
+    self.metrics["prefix_hits"] += 1
+    self.metrics["prefix_tokens_reused"] += len(req.prompt) - 1
+    self.metrics["decode_continuations"] += 1
+    req.slot = slot
+    self._slots[slot] = req
 
   def _admit_reuse_chunk(self, chunk: list[tuple[Request, int, int, int]], bucket: int) -> None:
     t0 = time.perf_counter()

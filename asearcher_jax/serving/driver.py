@@ -88,6 +88,11 @@ class DriverConfig:
     between pieces, so decoding never waits behind more than one piece (chunked prefill); the
     first token is sampled from the last piece exactly as from a whole prefill. 0: every prompt
     in one call (as before 2026-11-26).
+  continue_in_decode: a turn that continues its parked slot's last call with nothing new (its
+    prompt is the cached tokens plus the one token that call sampled) is admitted with no
+    prefill: the slot goes live and the next decode step feeds that token and samples the first
+    new one, with the same key and position a 1-token suffix prefill would use. False: a suffix
+    prefill of that one token (as before 2026-11-26).
   """
 
   request_timeout_s: float = 3600.0
@@ -97,6 +102,7 @@ class DriverConfig:
   kv_on_update: str = "recompute"
   batch_reprefill: bool = True
   prefill_chunk: int = 0
+  continue_in_decode: bool = True
 
   def __post_init__(self):
     if self.kv_on_update not in KV_ON_UPDATE:
@@ -236,6 +242,8 @@ class Driver(Admission):
       # The part of prefill_s / prefill_calls that were suffix prefills into parked slots.
       "suffix_prefill_s": self.metrics["suffix_prefill_s"],
       "suffix_prefill_calls": self.metrics["suffix_prefill_calls"],
+      # Turns admitted with no prefill (DriverConfig.continue_in_decode), part of prefix_hits.
+      "decode_continuations": self.metrics["decode_continuations"],
       "decode_s": self.metrics["decode_s"],
       "decode_steps": self.metrics["decode_steps"],
       # Slots computed per decode step (decode_rows: only enough for the live ones).

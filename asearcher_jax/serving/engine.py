@@ -455,6 +455,30 @@ class Engine(EngineContract):
     state = steps.PUT_ROWS(decode_state, rows, slots_, jnp.asarray(starts_ + lengths), tok, samp)
     return state, tok, lp, version, top
 
+  def activate_slot(
+    self,
+    decode_state: DecodeState,
+    slot: int,
+    token: int,
+    length: int,
+    *,
+    sampling: SamplingParams,
+    seed: int = 0,
+  ) -> DecodeState:
+    """Makes a slot whose cache holds `length` valid positions live with `token` to feed next, no
+    prefill: the next decode step feeds it at position `length` and samples the first new token
+    from it with the key and position a suffix prefill of that one token would use. For a turn
+    that continues the slot's last call with nothing new (its prompt is the cached tokens plus
+    the token that call sampled last)."""
+    if not 0 <= length < self.cfg.max_seq_len or not 0 <= slot < self.cfg.max_slots:
+      raise ValueError(f"bad activation: slot={slot} length={length}")
+    return steps.ACTIVATE(
+      decode_state, jnp.asarray(slot, jnp.int32), jnp.asarray(length, jnp.int32),
+      jnp.asarray(token, jnp.int32), jax.random.PRNGKey(seed),
+      jnp.asarray(sampling.temperature, jnp.float32), jnp.asarray(sampling.top_p, jnp.float32),
+      jnp.asarray(sampling.top_k, jnp.int32),
+    )  # fmt: skip
+
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Marks a slot inactive: decode steps stop advancing it and never write inside its cached
     prefix (the driver parks finished requests' slots this way for prefix reuse)."""

@@ -342,11 +342,20 @@ def _put_row(state: DecodeState, row_cache: KVCache, slot, length, token, key, t
   def put(buf, new):
     return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))
 
+  cache = KVCache(
+    k=tuple(put(b, n) for b, n in zip(state.cache.k, row_cache.k, strict=True)),
+    v=tuple(put(b, n) for b, n in zip(state.cache.v, row_cache.v, strict=True)),
+  )
+  return _activate(state.replace(cache=cache), slot, length, token, key, temperature, top_p, top_k)
+
+
+def _activate(state: DecodeState, slot, length, token, key, temperature, top_p,
+              top_k) -> DecodeState:  # fmt: skip
+  """Makes a slot live with `length` positions cached and `token` to feed next, under a
+  request's sampling arrays: the next decode step feeds the token at position `length` and
+  samples from it, as a prefill of the same prompt would have (same key, same position)."""
   return DecodeState(
-    cache=KVCache(
-      k=tuple(put(b, n) for b, n in zip(state.cache.k, row_cache.k, strict=True)),
-      v=tuple(put(b, n) for b, n in zip(state.cache.v, row_cache.v, strict=True)),
-    ),
+    cache=state.cache,
     lengths=state.lengths.at[slot].set(length),
     next_tokens=state.next_tokens.at[slot].set(token),
     keys=state.keys.at[slot].set(key),
@@ -425,6 +434,7 @@ DECODE_CHUNK = jax.jit(
 )
 EXTEND_ROW = jax.jit(_extend_row, static_argnums=(0, 1, 2), static_argnames="top_n")
 PUT_ROW = jax.jit(_put_row, donate_argnums=0)
+ACTIVATE = jax.jit(_activate, donate_argnums=0)
 EXTEND_ROWS = jax.jit(_extend_rows, static_argnums=(0, 1, 2), static_argnames="top_n")
 PUT_ROWS = jax.jit(_put_rows, donate_argnums=0)
 RELEASE = jax.jit(_release, donate_argnums=0)

@@ -45,7 +45,8 @@ def warmup(
     state = engine.insert(
       engine.prefill(params=params, padded_tokens=padded, true_length=n), state, 0
     )
-  if extend:
+  if extend:  # the no-prefill admission of a continuing turn, then every suffix prefill
+    state = engine.activate_slot(state, 0, 1, 1, sampling=SamplingParams())
     for sb in engine.cfg.extend_buckets:
       for window in engine.cfg.buckets:
         if window < sb:

@@ -73,8 +73,8 @@ class CrashLoopConfig:
   journal_frac: fraction of kills aimed after a checkpoint whose in-flight episodes hold finished
     generate calls (the case resuming from journals is for; with generation faster than
     training most checkpoints find only a fresh group in flight).
-  late_delay_s: other kills land this long (uniform in [0, late_delay_s]) after the life's own
-    first checkpoint (the "journal" ones: after such a checkpoint).
+  late_delay_s: "late" kills land this long (uniform in [0, late_delay_s]) after the life's own
+    first checkpoint; "journal" ones land as soon as such a checkpoint is seen.
   final_steps: steps the last life trains past the version it resumes at.
   life_timeout_s: a life that neither checkpoints nor exits within this is a hang (an error).
   """
@@ -160,7 +160,10 @@ def run_lives(
           _sleep_alive(proc, rng.uniform(0.5, config.early_window_s))
         else:
           _wait_checkpoint(proc, run_dir, t0 + config.life_timeout_s, journals=kind == "journal")
-          _sleep_alive(proc, rng.uniform(0.0, config.late_delay_s))
+          # A journal kill lands at once: a few seconds later a newer checkpoint, often with no
+          # finished calls in flight, would be the one the next life resumes from.
+          delay = rng.uniform(0.0, config.late_delay_s)
+          _sleep_alive(proc, delay if kind == "late" else 0.0)
         if not final:
           if proc.poll() is not None:
             raise RuntimeError(f"life {n} exited on its own ({proc.returncode}): {log_path}")

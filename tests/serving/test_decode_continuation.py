@@ -1,0 +1,82 @@
+"""A turn that continues its slot's last call with nothing new (an agent's read turn stops, its act
+turn goes on from there) is admitted with no prefill (`DriverConfig.continue_in_decode`): the
+next decode step feeds the token the last call sampled. It must give exactly what a 1-token
+suffix prefill gives: tokens, logprobs, versions and stop reasons, greedy and sampled, one decode
+step per call and several."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from asearcher_jax.serving.engine import Engine, EngineConfig
+from asearcher_jax.serving.types import SamplingParams
+from tests.serving.conftest import BOTH_STEPS, tiny_model
+from tests.serving.test_driver_correctness import PROMPTS, learner_logprobs
+from tests.serving.test_prefix_cache import TOOL, gen
+
+SAMPLE = SamplingParams(temperature=1.0)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+async def _continued(driver, sp, n=5):
+  """Four agents' first turns; each continues with nothing new, then once more after a tool."""
+  seeded = [dataclasses.replace(sp, seed=i) for i in range(len(PROMPTS))]
+  firsts = await asyncio.gather(*(gen(driver, p, n, s) for p, s in zip(PROMPTS, seeded)))
+  conts = [p + r.tokens for p, r in zip(PROMPTS, firsts, strict=True)]
+  seconds = await asyncio.gather(*(gen(driver, p, n, s) for p, s in zip(conts, seeded)))
+  tools = [p + r.tokens + TOOL for p, r in zip(conts, seconds, strict=True)]
+  thirds = await asyncio.gather(*(gen(driver, p, n, s) for p, s in zip(tools, seeded)))
+  return conts + tools, firsts + seconds + thirds
+
+
+@BOTH_STEPS
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLE], ids=["greedy", "sample"])
+async def test_a_continuing_turn_decodes_what_a_one_token_prefill_gives(make_driver, sampling):
+  model = tiny_model(seed=8)
+  new = make_driver(model, slots=4, suffix_batch=(1,))  # one suffix prefill call per turn
+  old = make_driver(model, slots=4, suffix_batch=(1,), continue_in_decode=False)
+  prompts, a = await _continued(new, sampling)
+  _, b = await _continued(old, sampling)
+  for ra, rb in zip(a, b, strict=True):
+    assert ra.tokens == rb.tokens and ra.versions == rb.versions
+    assert ra.stop_reason == rb.stop_reason
+    np.testing.assert_allclose(ra.logprobs, rb.logprobs, atol=1e-5)
+  for prompt, res in zip(prompts, a[4:], strict=True):  # the model's own numbers
+    np.testing.assert_allclose(
+      res.logprobs, learner_logprobs(model, prompt, res.tokens, sampling.temperature or 1.0),
+      atol=1e-4,
+    )  # fmt: skip
+  sa, sb = new.stats(), old.stats()
+  assert sa["prefix_hits"] == sb["prefix_hits"] == 8
+  assert sa["decode_continuations"] == 4 and sb["decode_continuations"] == 0
+  # The four continuations cost no prefill call; the turns after a tool still prefill.
+  assert sb["suffix_prefill_calls"] - sa["suffix_prefill_calls"] == 4
+  assert sb["prefill_tokens"] - sa["prefill_tokens"] == 4
+
+
+async def test_a_continuation_stops_and_budgets_like_any_turn(make_driver):
+  model = tiny_model(seed=9)
+  driver = make_driver(model, slots=2)
+  first = await gen(driver, PROMPTS[0], 4)
+  prompt = PROMPTS[0] + first.tokens
+  one = await gen(driver, prompt, 1)  # a budget of one token: the decode step's only token
+  assert len(one.tokens) == 1 and one.stop_reason == "length"
+  again = await gen(driver, prompt + one.tokens, 3)
+  assert len(again.tokens) == 3
+  np.testing.assert_allclose(
+    again.logprobs, learner_logprobs(model, prompt + one.tokens, again.tokens, 1.0), atol=1e-4
+  )
+  assert driver.stats()["decode_continuations"] == 2
+
+
+def test_activation_is_checked(tokenizer):
+  engine = Engine.from_model(tiny_model(), tokenizer, EngineConfig(max_slots=4, max_seq_len=64))
+  state = engine.init_decode_state()
+  with pytest.raises(ValueError, match="bad activation"):
+    engine.activate_slot(state, 0, 1, 64, sampling=GREEDY)
+  with pytest.raises(ValueError, match="bad activation"):
+    engine.activate_slot(state, 4, 1, 3, sampling=GREEDY)
