@@ -66,12 +66,18 @@ QUICKSTART_AGENT = AsearcherAgentConfig(
 QUICKSTART_WORLD = SynthWikiConfig(
   seed=0, questions_per_hop=(1000, 1000, 600, 300), num_comparisons=300
 )
-# Suffix buckets: half of an agent's turns continue its last call with nothing new (the suffix is
-# the one token the last call sampled), the rest add a tool result of ~170-200 tokens (2026-11-26,
-# 6,975 turns of a quickstart run). A 1-token suffix took 6 ms in a 16-token bucket against 19 ms
-# padded to 256; (256,) alone is the setting before that day.
+# Slots for the 96 episodes the RL stage keeps in flight (12 groups x 8): with 32, parked slots were
+# evicted before their next turn and 3 of 4 turns prefilled their whole context; with 64, 75 RL
+# steps in the budget instead of 63 (decode rows up to 32, so a step with 17-32 live slots does
+# not compute all 64). Suffix buckets: half of the turns continue the last call with nothing new,
+# the rest add a tool result of ~170-200 tokens; a suffix costs its bucket (2026-11-26,
+# docs/measurements.md). Before that day: 32 slots, decode rows (8, 16), suffix buckets (256,).
 QUICKSTART_ENGINE = EngineConfig(
-  max_slots=32, max_seq_len=2048, prefill_buckets=(256, 512, 1024, 2048), suffix_buckets=(16, 256)
+  max_slots=64,
+  max_seq_len=2048,
+  prefill_buckets=(256, 512, 1024, 2048),
+  suffix_buckets=(16, 256),
+  decode_rows=(8, 16, 32),
 )
 
 

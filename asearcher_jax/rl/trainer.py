@@ -453,7 +453,7 @@ class Trainer:
       for k in (
         "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens",
         "suffix_prefill_s", "suffix_prefill_calls", "prefill_calls", "prefix_hits",
-        "prefix_tokens_reused",
+        "prefix_tokens_reused", "prefix_evictions", "decode_continuations",
       ):  # fmt: skip
         metrics[f"engine/{k}"] = float(s.get(k, 0.0))
     metrics = {k: float(v) for k, v in metrics.items()}
