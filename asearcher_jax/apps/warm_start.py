@@ -169,6 +169,7 @@ def warm_start(
   evaluation: QuickstartEval = QuickstartEval(),
   temperature: float = 1.0,
   engine: EngineConfig = QUICKSTART_ENGINE,
+  agent: AsearcherAgentConfig = QUICKSTART_AGENT,
   ship_to: str | None = None,
   seed: int = 0,
 ) -> int:
@@ -184,6 +185,7 @@ def warm_start(
       its seed is the evaluation's.
     temperature: sampling temperature of the Avg@k / Pass@k evaluation.
     engine: the evaluation engine's slots, context and prefill buckets.
+    agent: the evaluation agent's budgets (turns, tokens); the quickstart's by default.
     ship_to: copy the model directory and its card here (the quickstart's default is
       asearcher_jax/assets/checkpoints/synthwiki_sft).
     seed: the expert's seed (the hasty expert's is seed + 1) and the SFT init seed.
@@ -217,7 +219,7 @@ def warm_start(
   with tracker.stage("eval"):
     scores = evaluate_model_dir(
       model_dir, files, out / "eval", evaluation=evaluation, temperature=temperature,
-      engine=engine,
+      engine=engine, agent=agent,
     )  # fmt: skip
   with tracker.stage("card"):
     card = {

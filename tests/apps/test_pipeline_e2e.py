@@ -28,9 +28,11 @@ from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki.wiki import TINY
 
-# One prefill bucket: a handful of compiled shapes instead of the quickstart's dozens.
+# Two prefill buckets: a handful of compiled shapes instead of the quickstart's dozens, and the
+# tiny world's ~60-token prompts prefilled in 512 tokens, not 2,048 (the test's evaluation ran
+# ~2x longer with 2,048 alone).
 SMALL_ENGINE = EngineConfig(
-  max_slots=8, max_seq_len=2048, prefill_buckets=(2048,), suffix_buckets=(256,)
+  max_slots=8, max_seq_len=2048, prefill_buckets=(512,), suffix_buckets=(256,)
 )
 SUMMARY_KEYS = {
   "avg4_sft", "avg4_rl", "pass4_sft", "pass4_rl", "tool_calls_first_steps",
@@ -56,6 +58,8 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
       optimizer=dataclasses.replace(EARLY_ANSWER_OPTIMIZER, total_steps=2, warmup_steps=1),
     ),
     evaluation=pipeline.QuickstartEval(questions=2, k=2), ship_to=str(ship), engine=SMALL_ENGINE,
+    # A 6-step model writes to its budgets: 4 turns of 512 tokens, not the quickstart's 16 of 2,048.
+    agent=dataclasses.replace(pipeline.QUICKSTART_AGENT, max_turns=4, max_tokens=512),
   ) == 0  # fmt: skip
   ws = tmp_path / "ws"
   assert (ws / "world" / "corpus.jsonl").stat().st_size > 0
