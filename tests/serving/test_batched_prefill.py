@@ -14,7 +14,7 @@ from flax import nnx
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.types import SamplingParams
 from tests.serving.conftest import tiny_model
-from tests.serving.test_driver_correctness import PROMPTS, learner_logprobs
+from tests.serving.test_driver_correctness import PROMPTS, assert_same_results, learner_logprobs
 from tests.serving.test_prefix_cache import TOOL, gen
 
 SAMPLE = SamplingParams(temperature=1.0)
@@ -94,15 +94,7 @@ async def test_driver_batches_turns_that_arrive_together(make_driver, sampling):
   single = make_driver(model, slots=4, suffix_batch=(1,))
   nexts, a = await _two_turns(batched, sampling)
   _, b = await _two_turns(single, sampling)
-  for ra, rb in zip(a, b, strict=True):
-    assert ra.tokens == rb.tokens and ra.versions == rb.versions
-    assert ra.stop_reason == rb.stop_reason
-    np.testing.assert_allclose(ra.logprobs, rb.logprobs, atol=1e-5)
-  for prompt, res in zip(nexts, a[4:], strict=True):  # and both are the model's own numbers
-    np.testing.assert_allclose(
-      res.logprobs, learner_logprobs(model, prompt, res.tokens, sampling.temperature or 1.0),
-      atol=1e-4,
-    )  # fmt: skip
+  assert_same_results(a, b, model, nexts, a[4:], sampling.temperature or 1.0)
   sa, sb = batched.stats(), single.stats()
   assert sa["prefix_hits"] == sb["prefix_hits"] == 4
   assert sa["prefill_tokens"] == sb["prefill_tokens"]

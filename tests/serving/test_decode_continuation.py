@@ -15,7 +15,7 @@ import pytest
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.types import SamplingParams
 from tests.serving.conftest import tiny_model
-from tests.serving.test_driver_correctness import PROMPTS, learner_logprobs
+from tests.serving.test_driver_correctness import PROMPTS, assert_same_results, learner_logprobs
 from tests.serving.test_prefix_cache import TOOL, gen
 
 SAMPLE = SamplingParams(temperature=1.0)
@@ -44,15 +44,7 @@ async def test_a_continuing_turn_decodes_what_a_one_token_prefill_gives(make_dri
   old = make_driver(model, slots=4, suffix_batch=(1,), continue_in_decode=False)
   prompts, a = await _continued(new, sampling)
   _, b = await _continued(old, sampling)
-  for ra, rb in zip(a, b, strict=True):
-    assert ra.tokens == rb.tokens and ra.versions == rb.versions
-    assert ra.stop_reason == rb.stop_reason
-    np.testing.assert_allclose(ra.logprobs, rb.logprobs, atol=1e-5)
-  for prompt, res in zip(prompts, a[4:], strict=True):  # the model's own numbers
-    np.testing.assert_allclose(
-      res.logprobs, learner_logprobs(model, prompt, res.tokens, sampling.temperature or 1.0),
-      atol=1e-4,
-    )  # fmt: skip
+  assert_same_results(a, b, model, prompts, a[4:], sampling.temperature or 1.0)
   sa, sb = new.stats(), old.stats()
   assert sa["prefix_hits"] == sb["prefix_hits"] == 8
   assert sa["decode_continuations"] == 4 and sb["decode_continuations"] == 0

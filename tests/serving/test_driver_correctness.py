@@ -41,6 +41,20 @@ def learner_logprobs(model, prompt, tokens, temperature):
   return np.asarray(lp[0, len(prompt) :])
 
 
+def assert_same_results(a, b, model, prompts, later, temperature) -> None:
+  """Two drivers' results agree (tokens, versions, stop reasons, logprobs within 1e-5), and the
+  results `later` (after the first len(a) - len(later)) carry the model's own logprobs of their
+  `prompts`."""
+  for ra, rb in zip(a, b, strict=True):
+    assert ra.tokens == rb.tokens and ra.versions == rb.versions
+    assert ra.stop_reason == rb.stop_reason
+    np.testing.assert_allclose(ra.logprobs, rb.logprobs, atol=1e-5)
+  for prompt, res in zip(prompts, later, strict=True):
+    np.testing.assert_allclose(
+      res.logprobs, learner_logprobs(model, prompt, res.tokens, temperature), atol=1e-4
+    )
+
+
 PROMPTS = [
   [5, 17, 42],
   [9, 3, 88, 31, 2, 40, 76, 61, 14, 3, 90, 11],
