@@ -232,6 +232,13 @@ def _read_consumed(path: Path) -> set[str]:
   return ids
 
 
+def logged_group_ids(directory: str | Path) -> set[str]:
+  """Ids of every group a replay directory's log holds, queued or already trained. Read-only (a
+  live run may be appending): what an observer checks before deciding a group is still in flight."""
+  records, _ = _read_records(Path(directory) / GROUPS_LOG)
+  return {decode_group(r).group_id for r in records}
+
+
 # --- diagnostics ------------------------------------------------------------------------------
 
 

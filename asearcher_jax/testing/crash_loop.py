@@ -24,6 +24,8 @@ from typing import Any
 
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.rl.inflight import read_resume_log
+from asearcher_jax.rl.replay import logged_group_ids
+from asearcher_jax.rl.rollout import group_item_key
 from asearcher_jax.testing.run_audit import RESUME_LOG
 
 # A CPU-sized `asearcher train` over a byte tokenizer (cheap softmax), group size 2, B = 1,
@@ -71,10 +73,13 @@ class CrashLoopConfig:
     before it has restored or trained anything).
   early_window_s: see early_frac.
   journal_frac: fraction of kills aimed after a checkpoint whose in-flight episodes hold finished
-    generate calls (the case resuming from journals is for; with generation faster than
+    generate calls that the next life will replay (the case resuming from journals is for; with generation faster than
     training most checkpoints find only a fresh group in flight).
   late_delay_s: "late" kills land this long (uniform in [0, late_delay_s]) after the life's own
     first checkpoint; "journal" ones land as soon as such a checkpoint is seen.
+  journal_patience: a "journal" kill settles for any new checkpoint once the life has written
+    this many without finished calls in flight. Counted in checkpoints, not seconds: on busy
+    CI cores a life can take minutes to reach its first checkpoint.
   final_steps: steps the last life trains past the version it resumes at.
   life_timeout_s: a life that neither checkpoints nor exits within this is a hang (an error).
   """
@@ -85,6 +90,7 @@ class CrashLoopConfig:
   early_window_s: float = 20.0
   journal_frac: float = 0.4
   late_delay_s: float = 4.0
+  journal_patience: int = 30
   final_steps: int = 2
   life_timeout_s: float = 600.0
 
@@ -159,9 +165,11 @@ def run_lives(
         elif kind == "early":
           _sleep_alive(proc, rng.uniform(0.5, config.early_window_s))
         else:
-          _wait_checkpoint(proc, run_dir, t0 + config.life_timeout_s, journals=kind == "journal")
-          # A journal kill lands at once: a few seconds later a newer checkpoint, often with no
-          # finished calls in flight, would be the one the next life resumes from.
+          patience = config.journal_patience if kind == "journal" else 0
+          _wait_checkpoint(proc, run_dir, t0 + config.life_timeout_s, patience=patience)
+          # A journal kill lands at once, on the life stopped at its checkpoint: a few seconds
+          # later a newer checkpoint, often with no finished calls in flight, would be the one
+          # the next life resumes from.
           delay = rng.uniform(0.0, config.late_delay_s)
           _sleep_alive(proc, delay if kind == "late" else 0.0)
         if not final:
@@ -197,26 +205,53 @@ def _draw_kind(rng: random.Random, config: CrashLoopConfig) -> str:
   return "journal" if u < config.early_frac + config.journal_frac else "late"
 
 
-def _wait_checkpoint(proc: subprocess.Popen, run_dir: Path, deadline: float, *, journals: bool):
-  """Until the life writes a new checkpoint (`journals`: one whose in-flight episodes hold at
-  least one finished generate call; any new one after 120 s without such)."""
+def _wait_checkpoint(proc: subprocess.Popen, run_dir: Path, deadline: float, *, patience: int):
+  """Until the life writes a new checkpoint whose in-flight episodes hold finished generate calls
+  that the next life will replay, or (after `patience` new checkpoints without; 0: at once) any
+  new one. A "journal" return leaves the life stopped (SIGSTOP) for the caller's SIGKILL.
+
+  The life is stopped while its checkpoint is inspected: a group that finishes in the meantime
+  is queued in the replay log, and the next life rightly skips its journal instead of replaying
+  it (on busy cores that happened to most of them between seeing the checkpoint and the kill)."""
   before = _checkpoints(run_dir)
-  since = time.monotonic()
+  seen: set[int] = set()
+  inspected: set[int] = set()
   while proc.poll() is None:
     new = sorted(_checkpoints(run_dir) - before)
-    if new and (not journals or time.monotonic() - since > 120 or _has_calls(run_dir, new[-1])):
+    seen.update(new)
+    if new and len(seen) > patience:
       return
+    if new and new[-1] not in inspected and _has_calls(run_dir, new[-1]):
+      proc.send_signal(signal.SIGSTOP)
+      latest = max(_checkpoints(run_dir))  # stable now: no save is written while stopped
+      inspected.add(latest)
+      if _replayable_calls(run_dir, latest) > 0:
+        return
+      proc.send_signal(signal.SIGCONT)
     if time.monotonic() > deadline:
       raise TimeoutError(f"no new checkpoint in {run_dir} before the deadline")
     time.sleep(0.05)
 
 
-def _has_calls(run_dir: Path, step: int) -> bool:
-  try:
-    meta = json.loads((run_dir / "checkpoints" / str(step) / "meta" / "metadata").read_text())
-  except (OSError, ValueError):
-    return False
+def _replayable_calls(run_dir: Path, step: int) -> int:
+  """Finished calls saved in `step` for groups the replay log does not hold yet: the calls the
+  next life replays (a queued group is skipped on resume; its result already exists)."""
+  logged = {group_item_key(g) for g in logged_group_ids(run_dir / "replay")}
+  meta = _read_meta(run_dir, step)
   inflight = (meta.get("rollout") or {}).get("inflight", ())
+  return sum(len(e["calls"]) for g in inflight if g["key"] not in logged for e in g["episodes"])
+
+
+def _read_meta(run_dir: Path, step: int) -> dict[str, Any]:
+  """A checkpoint's JSON meta item; {} until it is complete enough to parse."""
+  try:
+    return json.loads((run_dir / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+  except (OSError, ValueError):
+    return {}
+
+
+def _has_calls(run_dir: Path, step: int) -> bool:
+  inflight = (_read_meta(run_dir, step).get("rollout") or {}).get("inflight", ())
   return any(e["calls"] for g in inflight for e in g["episodes"])
 
 

@@ -50,6 +50,8 @@ def test_ten_sigkills_resume_from_journals(tmp_path, byte_tok_dir, shipped_index
     assert life.restored is None or life.restored >= (before.restored or 0)
   ev = resume_evidence(run_dir, lives)
   print({k: v for k, v in ev.items() if k != "mismatches"})
+  print("lives (kind, calls in the checkpoint it resumed from):",
+        [(life.kind, sum(life.saved_calls.values())) for life in lives])  # fmt: skip
   # Every resumed episode matched its checkpoint and replayed all of its recorded calls.
   assert ev["mismatches"] == []
   assert ev["replayed_calls"] == ev["saved_calls"] > 0

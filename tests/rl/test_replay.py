@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from asearcher_jax.agent.trajectory import TrainingSequence
-from asearcher_jax.rl.replay import CONSUMED_LOG, GROUPS_LOG, Group, ReplayConfig, ReplayQueue
+from asearcher_jax.rl.replay import (
+  CONSUMED_LOG,
+  GROUPS_LOG,
+  Group,
+  ReplayConfig,
+  ReplayQueue,
+  logged_group_ids,
+)
 
 
 def _seq(n: int, version: int, prompt: int = 2) -> TrainingSequence:
@@ -113,6 +120,20 @@ def test_persistence_survives_reopen_with_leases_and_torn_tails(tmp_path):
   assert ReplayQueue(cfg).pending_ids() == ["g3", "g4", "g5"]
   with pytest.raises(ValueError, match="already pushed"):
     ReplayQueue(cfg).push(_group("g0", 0), timeout=1)  # consumed ids stay known
+
+
+def test_logged_group_ids_reads_a_live_log_without_touching_it(tmp_path):
+  q = ReplayQueue(ReplayConfig(directory=str(tmp_path), compact_after=0))
+  for i in range(3):
+    q.push(_group(f"g{i}", i), timeout=1)
+  q.commit([g.group_id for g in q.take(1, timeout=1)])
+  with open(tmp_path / GROUPS_LOG, "ab") as f:  # a push being written right now
+    f.write(b"\x50\x00\x00\x00half")
+  size = (tmp_path / GROUPS_LOG).stat().st_size
+  # Trained or queued, every complete group counts; the torn tail is neither read nor cut.
+  assert logged_group_ids(tmp_path) == {"g0", "g1", "g2"}
+  assert (tmp_path / GROUPS_LOG).stat().st_size == size
+  assert logged_group_ids(tmp_path / "missing") == set()
 
 
 def test_compaction_drops_consumed_groups_from_the_log(tmp_path):
