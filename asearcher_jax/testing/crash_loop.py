@@ -87,7 +87,7 @@ class CrashLoopConfig:
   kills: int = 10
   seed: int = 0
   early_frac: float = 0.2
-  early_window_s: float = 20.0
+  early_window_s: float = 12.0
   journal_frac: float = 0.4
   late_delay_s: float = 4.0
   journal_patience: int = 30
