@@ -5,7 +5,8 @@ synthesis agent's two operations, each checked against the world to keep one ans
 trained by Tamerin"), adding one fact at a time until exactly one entity fits. *Fuzzing* then makes
 one precise value vague (1873 -> the 1870s, 45210 -> between 40000 and 50000) and is kept only if
 the answer is still unique. Question text is compositional: each chain step wraps the previous
-noun phrase ("the founder of the organisation Gazor belongs to").
+noun phrase ("the founder of the organisation Gazor belongs to"), or (`question_style`
+"stepwise") lists the steps in search order.
 """
 
 from __future__ import annotations
@@ -264,7 +265,10 @@ def _walk(
   return rels, path
 
 
-def _chain_text(start_np: str, relations: Sequence[str]) -> str:
+def _chain_text(start_np: str, relations: Sequence[str], style: str = "nested") -> str:
+  if style == "stepwise":
+    steps = ", then ".join(RELATIONS[r].words for r in relations)
+    return f"Starting from {start_np}, follow {steps}. What do you reach?"
   np = start_np
   for r in relations[:-1]:
     np = RELATIONS[r].noun.format(x=np)
@@ -333,7 +337,7 @@ def _chain_question(world: World, rng: random.Random, k: int, config: SynthWikiC
     start_np = describe(noun_of(start), cons)
   readers = [start, *[p for p in path[:-1]]]
   q = dict(
-    question=_chain_text(start_np, rels),
+    question=_chain_text(start_np, rels, config.question_style),
     answer=bridges[-1],
     kind="chain",
     hops=k,

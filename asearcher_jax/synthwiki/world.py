@@ -236,6 +236,11 @@ class SynthWikiConfig:
   # Shuffle the questions before numbering them, so the first N of a split mix every kind
   # (otherwise they come in hop order: 1-hop first).
   shuffle: bool = False
+  # How a chain question is written: "nested" (each step wraps the last noun phrase: "the mentor
+  # of the leader of the organisation Gazor belongs to", read inside out) or "stepwise" (the
+  # steps in the order they are searched: "Starting from Gazor, follow led by, then trained by.
+  # What do you reach?"). Both need one search per hop; stepwise leaves out the parsing.
+  question_style: str = "nested"
 
   def __post_init__(self) -> None:
     if min(self.num_people, self.num_places, self.num_organisations) < 4 or self.num_works < 1:
@@ -243,6 +248,10 @@ class SynthWikiConfig:
     for name in ("relation_prob", "attribute_prob", "injection_prob", "fuzz_prob"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+    if self.question_style not in ("nested", "stepwise"):
+      raise ValueError(
+        f"question_style must be 'nested' or 'stepwise', got {self.question_style!r}"
+      )
     if not 0 <= self.test_fraction < 1:
       raise ValueError(f"test_fraction must be in [0, 1), got {self.test_fraction}")
     if any(n < 0 for n in self.questions_per_hop) or self.num_comparisons < 0:

@@ -4,6 +4,7 @@ world tokenizer keeps names whole and round-trips any text."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import time
@@ -106,6 +107,23 @@ def test_questions_are_compositional_and_typed(quick):
   assert kinds == {"chain", "comparison"}
   comp = next(q for q in quick.questions if q.kind == "comparison")
   assert comp.compare[0] in comp.question and comp.compare[1] in comp.question
+
+
+def test_stepwise_questions_list_the_search_steps_in_order_of_the_same_chains():
+  nested = build_synthwiki(TINY)
+  stepwise = build_synthwiki(dataclasses.replace(TINY, question_style="stepwise"))
+  chains = [(a, b) for a, b in zip(nested.questions, stepwise.questions, strict=True)
+            if a.kind == "chain"]  # fmt: skip
+  assert len(chains) > 100
+  for a, b in chains:  # the same chain and answer, written as the searches it takes
+    assert (a.relations, a.answer, a.gold_ids) == (b.relations, b.answer, b.gold_ids)
+    steps = ", then ".join(RELATIONS[r].words for r in b.relations)
+    assert b.question.endswith(f", follow {steps}. What do you reach?")
+    assert a.question != b.question and b.answer not in b.question.split()
+    assert resolve(stepwise.world, b) == {b.answer}
+  assert dataclasses.replace(TINY, question_style="stepwise") != TINY
+  with pytest.raises(ValueError, match="question_style"):
+    dataclasses.replace(TINY, question_style="flat")
 
 
 def test_same_seed_same_bytes_different_seed_differs(tmp_path):
