@@ -56,6 +56,7 @@ from asearcher_jax.rl.replay import Group, ReplayQueue, decode_group, encode_gro
 from asearcher_jax.rl.rollout import RolloutController
 from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.weight_sync import WeightSync
+from asearcher_jax.serving.driver import CUMULATIVE_STATS
 
 log = logging.getLogger(__name__)
 
@@ -447,14 +448,7 @@ class Trainer:
       metrics["engine/weight_updates_ms"] = float(s.get("last_update_ms", 0.0))
       metrics["engine/requests_aborted"] = float(s.get("requests_aborted", 0.0))
       metrics["engine/decode_tokens_per_s"] = float(s.get("decode_tokens_per_s", 0.0))
-      # Engine-thread seconds so far: admissions' prefills, weight updates (with their
-      # re-prefills under kv_on_update="recompute"), decode steps; the part of prefill that
-      # went into parked slots (suffix prefills) and the prefix tokens that reuse saved.
-      for k in (
-        "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens",
-        "suffix_prefill_s", "suffix_prefill_calls", "prefill_calls", "prefix_hits",
-        "prefix_tokens_reused", "prefix_evictions", "decode_continuations",
-      ):  # fmt: skip
+      for k in CUMULATIVE_STATS:  # engine-thread seconds, calls and tokens so far
         metrics[f"engine/{k}"] = float(s.get(k, 0.0))
     metrics = {k: float(v) for k, v in metrics.items()}
     self.history.append(metrics)

@@ -59,6 +59,15 @@ log = logging.getLogger(__name__)
 
 
 KV_ON_UPDATE = ("recompute", "keep")
+# The `Driver.stats()` keys that count up over a run (seconds, calls, tokens), which a trainer
+# logs every step: engine-thread time of admissions' prefills, weight updates (with their
+# re-prefills under kv_on_update="recompute") and decode steps; the part of prefill that went into
+# parked slots (suffix prefills); the prefix tokens reuse saved, and turns admitted with none.
+CUMULATIVE_STATS = (
+  "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens", "suffix_prefill_s",
+  "suffix_prefill_calls", "prefill_calls", "prefix_hits", "prefix_tokens_reused",
+  "prefix_evictions", "decode_continuations",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

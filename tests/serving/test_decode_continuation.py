@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 
+from asearcher_jax.serving.driver import CUMULATIVE_STATS
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.types import SamplingParams
 from tests.serving.conftest import tiny_model
@@ -72,6 +73,7 @@ async def test_a_continuation_stops_and_budgets_like_any_turn(make_driver):
     again.logprobs, learner_logprobs(model, prompt + one.tokens, again.tokens, 1.0), atol=1e-4
   )
   assert driver.stats()["decode_continuations"] == 2
+  assert set(CUMULATIVE_STATS) <= set(driver.stats())  # what a trainer logs is all there
 
 
 async def test_a_continuation_aborted_before_its_first_token_leaves_its_slot_usable(make_driver):
