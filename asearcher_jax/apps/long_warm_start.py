@@ -15,7 +15,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.apps import long_horizon_report as lh_report
@@ -24,6 +24,9 @@ from asearcher_jax.apps.warm_start import evaluate_model_dir, ship
 from asearcher_jax.apps.world import WorldFiles
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+
+if TYPE_CHECKING:  # long_horizon imports this module
+  from asearcher_jax.apps.long_horizon import LongWarmStart
 
 # Where `asearcher long-horizon` loads its warm start from by default.
 LONG_WARM_START = Path(__file__).resolve().parents[1] / "assets/checkpoints/synthwiki_long_sft"
@@ -43,7 +46,7 @@ def evaluate_card(
   files: WorldFiles,
   *,
   world: SynthWikiConfig,
-  warm: Any,
+  warm: LongWarmStart,
   expert_stats: dict[str, float],
   evaluation: QuickstartEval,
   temperature: float,
