@@ -123,8 +123,10 @@ def test_a_trainer_program_that_loses_a_process_is_stopped(tmp_path, trainer_1, 
     assert "trainer-0 still running 2 s after another trainer process finished" in out
 
 
-@pytest.mark.slow
-def test_local_backend_survives_a_killed_server_and_stops_clean(tmp_path, monkeypatch):
+@pytest.fixture
+def launched(tmp_path, monkeypatch):
+  """`launch start` of SPEC; yields (run dir, pids seen); then `launch stop`, and nothing of the
+  run (no process it started, no stale pid file) is left."""
   # The launched roles see one CPU device each, as on a laptop (not the suite's 8 fake devices).
   monkeypatch.setenv("XLA_FLAGS", "")
   run = tmp_path / "run"
@@ -133,39 +135,7 @@ def test_local_backend_survives_a_killed_server_and_stops_clean(tmp_path, monkey
   assert launch("start", spec)[0] == 0
   seen: set[int] = set()
   try:
-    trainer_log, follower_log = (run / "logs" / f"trainer-{i}.log" for i in (0, 1))
-    wait_for("version 1", lambda: trainer_log.exists()
-             and "published version 1 " in trainer_log.read_text())  # fmt: skip
-    pids = local.pids(run)
-    seen |= set(pids.values())
-    os.kill(pids["serve-0"], signal.SIGKILL)
-    new = wait_for("serve-0 restarted", lambda: (p := local.pids(run)["serve-0"]) != pids["serve-0"]
-                   and local._alive(p) and p)  # fmt: skip
-    seen.add(new)
-    _, out = launch("status", spec)
-    assert f"serve-0 {new} alive" in out and "serve-1" in out and "retrieval" in out
-    code = wait_for("the trainer's end", lambda: (run / "supervisor.done").exists()
-                    and (run / "supervisor.done").read_text().strip())  # fmt: skip
-    assert code == "0", trainer_log.read_text()[-3000:]
-    summaries = [
-      json.loads(f.read_text().strip().splitlines()[-1]) for f in (trainer_log, follower_log)
-    ]
-    assert [s["version"] for s in summaries] == [3, 3]
-    assert summaries[0]["groups_trained"] == summaries[1]["groups_trained"] == 6  # B = 2, 3 steps
-    for i, f in enumerate((trainer_log, follower_log)):  # one program over 2 processes
-      assert f"process {i} of 2, 1 local / 2 global devices" in f.read_text()
-    # Only process 0 writes the metrics: one line per step.
-    metrics = (run / "train" / "metrics" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3]
-    # Every trainer process wrote its shards of the last version, and both servers loaded it.
-    last = run / "weights" / "v00000003" / "params"
-    assert (last / "ocdbt.process_0").is_dir() and (last / "ocdbt.process_1").is_dir()
-    for i in (0, 1):
-      assert "loaded version 3 " in (run / "logs" / f"serve-{i}.log").read_text()
-    log = (run / "supervisor.log").read_text()
-    assert "serve-0 (pid" in log  # the restart was logged
-    assert "ignored SIGTERM" not in log, log  # every role ends on SIGTERM
-    assert len(list((run / "weights").glob("v*"))) >= 1
+    yield run, seen
   finally:
     seen |= set(local.pids(run).values())
     assert launch("stop", spec)[0] == 0
@@ -173,33 +143,62 @@ def test_local_backend_survives_a_killed_server_and_stops_clean(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_process_ends_the_run(tmp_path, monkeypatch):
+def test_local_backend_survives_a_killed_server_and_stops_clean(launched, tmp_path):
+  run, seen = launched
+  spec = tmp_path / "spec.toml"
+  trainer_log, follower_log = (run / "logs" / f"trainer-{i}.log" for i in (0, 1))
+  wait_for("version 1", lambda: trainer_log.exists()
+           and "published version 1 " in trainer_log.read_text())  # fmt: skip
+  pids = local.pids(run)
+  seen |= set(pids.values())
+  os.kill(pids["serve-0"], signal.SIGKILL)
+  new = wait_for("serve-0 restarted", lambda: (p := local.pids(run)["serve-0"]) != pids["serve-0"]
+                 and local._alive(p) and p)  # fmt: skip
+  seen.add(new)
+  _, out = launch("status", spec)
+  assert f"serve-0 {new} alive" in out and "serve-1" in out and "retrieval" in out
+  code = wait_for("the trainer's end", lambda: (run / "supervisor.done").exists()
+                  and (run / "supervisor.done").read_text().strip())  # fmt: skip
+  assert code == "0", trainer_log.read_text()[-3000:]
+  summaries = [
+    json.loads(f.read_text().strip().splitlines()[-1]) for f in (trainer_log, follower_log)
+  ]
+  assert [s["version"] for s in summaries] == [3, 3]
+  assert summaries[0]["groups_trained"] == summaries[1]["groups_trained"] == 6  # B = 2, 3 steps
+  for i, f in enumerate((trainer_log, follower_log)):  # one program over 2 processes
+    assert f"process {i} of 2, 1 local / 2 global devices" in f.read_text()
+  # Only process 0 writes the metrics: one line per step.
+  metrics = (run / "train" / "metrics" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3]
+  # Every trainer process wrote its shards of the last version, and both servers loaded it.
+  last = run / "weights" / "v00000003" / "params"
+  assert (last / "ocdbt.process_0").is_dir() and (last / "ocdbt.process_1").is_dir()
+  for i in (0, 1):
+    assert "loaded version 3 " in (run / "logs" / f"serve-{i}.log").read_text()
+  log = (run / "supervisor.log").read_text()
+  assert "serve-0 (pid" in log  # the restart was logged
+  assert "ignored SIGTERM" not in log, log  # every role ends on SIGTERM
+  assert len(list((run / "weights").glob("v*"))) >= 1
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_process_ends_the_run(launched):
   """SIGKILL trainer process 1 while process 0 waits for rollouts (in a collective every poll):
   the supervisor ends the run at once instead of leaving process 0 to the heartbeat timeout, and
   `stop` finds nothing left."""
-  monkeypatch.setenv("XLA_FLAGS", "")
-  run = tmp_path / "run"
-  spec = tmp_path / "spec.toml"
-  spec.write_text(SPEC.format(run=run))
-  assert launch("start", spec)[0] == 0
-  seen: set[int] = set()
-  try:
-    follower_log = run / "logs" / "trainer-1.log"
-    wait_for("trainer 1's start", lambda: follower_log.exists()
-             and "[train] fresh start" in follower_log.read_text())  # fmt: skip
-    pids = local.pids(run)
-    seen |= set(pids.values())
-    os.kill(pids["trainer-1"], signal.SIGKILL)
-    t0 = time.monotonic()
-    done = run / "supervisor.done"
-    code = wait_for("the run's end", lambda: done.exists() and done.read_text().strip(), 90.0)
-    took = time.monotonic() - t0
-    assert code == "1"
-    log = (run / "supervisor.log").read_text()
-    assert "trainer-1 exited -9; the trainer program lost a process" in log
-    assert "ignored SIGTERM" not in log, log  # trainer 0 honoured it (no JAX preemption trap)
-    assert not any(local._alive(p) for p in pids.values() if p != pids["supervisor"]), took
-  finally:
-    seen |= set(local.pids(run).values())
-    assert launch("stop", spec)[0] == 0
-  assert_nothing_left(run, seen)
+  run, seen = launched
+  follower_log = run / "logs" / "trainer-1.log"
+  wait_for("trainer 1's start", lambda: follower_log.exists()
+           and "[train] fresh start" in follower_log.read_text())  # fmt: skip
+  pids = local.pids(run)
+  seen |= set(pids.values())
+  os.kill(pids["trainer-1"], signal.SIGKILL)
+  t0 = time.monotonic()
+  done = run / "supervisor.done"
+  code = wait_for("the run's end", lambda: done.exists() and done.read_text().strip(), 90.0)
+  took = time.monotonic() - t0
+  assert code == "1"
+  log = (run / "supervisor.log").read_text()
+  assert "trainer-1 exited -9; the trainer program lost a process" in log
+  assert "ignored SIGTERM" not in log, log  # trainer 0 honoured it (no JAX preemption trap)
+  assert not any(local._alive(p) for p in pids.values() if p != pids["supervisor"]), took
