@@ -108,7 +108,7 @@ def test_give_up_range_is_checked():
 @pytest.mark.slow
 def test_long_horizon_ci_size_reports_every_key(tmp_path):
   run_dir = tmp_path / "lh"
-  sft_cfg = SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
+  sft_cfg = SFTConfig(steps=2, row_len=512, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                       progress=False)  # fmt: skip
   shipped = tmp_path / "shipped"
   warm = lh.LongWarmStart(
@@ -117,15 +117,15 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
       WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1)),
   )  # fmt: skip
   # A 2-step warm start cannot answer: RL runs on the "smoke" reward (plumbing, not learning),
-  # with the agent's limits at 3 tool calls and a 1,024-token engine (one prefill shape).
+  # with the agent's limits at 3 tool calls and a 512-token engine (one prefill shape).
   common = dict(
     run_dir=str(run_dir), warm_start_dir=None, world=TINY_LONG, warm=warm,
     evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8),
     rl=qs.QuickstartRL(seconds=1.0, batch_groups=1, group_size=4, max_concurrent=2,
                        questions="train", batch_timeout_s=300.0, micro_rows=2, reward="smoke"),
-    agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=1024, max_new_tokens=32),
+    agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=512, max_new_tokens=32),
     engine=EngineConfig(
-      max_slots=8, max_seq_len=1024, prefill_buckets=(1024,), suffix_buckets=(256,)
+      max_slots=8, max_seq_len=512, prefill_buckets=(512,), suffix_buckets=(256,)
     ),
     min_tool_calls=3,
   )  # fmt: skip
