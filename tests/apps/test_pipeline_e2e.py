@@ -47,13 +47,13 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
     out_dir=str(tmp_path / "ws"), world=TINY,
     expert=ExpertStage(samples_per_question=1, imperfection=0.1),
     sft=SFTStage(
-      config=SFTConfig(steps=4, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
+      config=SFTConfig(steps=4, row_len=512, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                        progress=False),
       optimizer=dataclasses.replace(WARM_START_OPTIMIZER, total_steps=4, warmup_steps=1),
     ),
     hasty=HastyStage(
       early_answer=0.5,
-      config=SFTConfig(steps=2, row_len=1024, rows_per_batch=8, eval_every=2, checkpoint_every=2,
+      config=SFTConfig(steps=2, row_len=512, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                        progress=False),
       optimizer=dataclasses.replace(EARLY_ANSWER_OPTIMIZER, total_steps=2, warmup_steps=1),
     ),
