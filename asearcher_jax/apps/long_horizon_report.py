@@ -1,6 +1,6 @@
 """The long-horizon report, rebuilt from a finished run directory's files alone: the quickstart's
-summary, the evaluations' per-question rows (questions.csv), the held-out questions' hop counts
-(world/test.jsonl) and the RL metrics (rl/metrics/metrics.jsonl)."""
+summary, the evaluations' per-question rows (questions.csv) and episodes (where their chains
+broke), the held-out questions (world/test.jsonl) and the RL metrics (rl/metrics/metrics.jsonl)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax.apps import quickstart_report as qs_report
+from asearcher_jax.synthwiki import chain_breaks
+from asearcher_jax.synthwiki.questions import SynthQuestion
 
 # The issue's bars (what one run must show); `bars` says which hold.
 MIN_LONG_TOOL_CALLS = 10.0
@@ -20,19 +22,44 @@ MIN_LONG_GAIN = 0.10
 MIN_MAX_TOOL_CALLS = 30
 
 
-def eval_rows(eval_dir: Path, policy_prefix: str) -> list[dict[str, Any]]:
-  """Per (question, run) rows of the newest evaluation whose policy starts with `policy_prefix`
-  ("sft:" or "rl:")."""
+def newest_eval(eval_dir: Path, policy_prefix: str) -> Path | None:
+  """The newest evaluation run under `eval_dir` whose policy starts with `policy_prefix` ("sft:"
+  or "rl:"), or None."""
   runs = [
     d for d in eval_dir.glob("*/")
     if (d / "config.json").exists() and (d / "questions.csv").exists()
     and str(json.loads((d / "config.json").read_text()).get("policy", "")).startswith(policy_prefix)
   ]  # fmt: skip
-  if not runs:
+  return max(runs, key=lambda d: (d / "questions.csv").stat().st_mtime) if runs else None
+
+
+def eval_rows(eval_dir: Path, policy_prefix: str) -> list[dict[str, Any]]:
+  """Per (question, run) rows of the newest evaluation of `policy_prefix` (see newest_eval)."""
+  newest = newest_eval(eval_dir, policy_prefix)
+  if newest is None:
     return []
-  newest = max(runs, key=lambda d: (d / "questions.csv").stat().st_mtime)
   with (newest / "questions.csv").open() as f:
     return list(csv.DictReader(f))
+
+
+def heldout_questions(test_jsonl: Path) -> dict[str, SynthQuestion]:
+  """The held-out questions of a world (its test.jsonl), by id."""
+  with test_jsonl.open() as f:
+    return {q.id: q for q in map(SynthQuestion.from_row, map(json.loads, f))}
+
+
+def breaks_of(
+  eval_dir: Path, policy_prefix: str, questions: Mapping[str, SynthQuestion]
+) -> dict[str, Any]:
+  """`chain_breaks.tally` over every episode of the newest evaluation of `policy_prefix`."""
+  newest = newest_eval(eval_dir, policy_prefix)
+  records = (
+    (json.loads(f.read_text()) for f in sorted(newest.glob("*/run*/*.json"))) if newest else ()
+  )
+  return chain_breaks.tally(
+    chain_breaks.episode_break(questions[r["qid"]], r)
+    for r in records if questions[r["qid"]].kind == "chain"
+  )  # fmt: skip
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -134,9 +161,8 @@ def replay_buckets(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, f
 def build(root: Path, *, long_hops: int) -> dict[str, Any]:
   """The quickstart's summary plus the long-horizon figures (see the module docstring)."""
   summary = json.loads((root / "report" / "summary.json").read_text())
-  hops = {
-    json.loads(x)["id"]: int(json.loads(x)["hops"]) for x in (root / "world" / "test.jsonl").open()
-  }
+  questions = heldout_questions(root / "world" / "test.jsonl")
+  hops = {qid: q.hops for qid, q in questions.items()}
   before = eval_rows(root / "eval", "sft:")
   after = eval_rows(root / "eval", "rl:")
   lb, la = long_stats(before, hops, long_hops), long_stats(after, hops, long_hops)
@@ -149,6 +175,8 @@ def build(root: Path, *, long_hops: int) -> dict[str, Any]:
     tool_calls_sft_long=lb["tool_calls"], tool_calls_rl_long=la["tool_calls"],
     tool_calls_needed_long=lb["min_tool_calls"],
     accuracy_by_hops_sft=by_hops(before, hops), accuracy_by_hops_rl=by_hops(after, hops),
+    chain_breaks_sft=breaks_of(root / "eval", "sft:", questions),
+    chain_breaks_rl=breaks_of(root / "eval", "rl:", questions),
     train_tool_calls=dist,
     max_tool_calls_train=max((d["max"] for d in dist if math.isfinite(d["max"])), default=0.0),
     train_tool_calls_p90_first=qs_report.window_mean(p90, first=True),
@@ -195,6 +223,11 @@ def format_markdown(s: Mapping[str, Any]) -> str:
     cells = [f"{100 * d[h]['avg_em']:.1f}%, {d[h]['tool_calls']:.1f}" if h in d else "-"
              for d in (a, b)]  # fmt: skip
     lines.append(f"| {h} | {cells[0]} | {cells[1]} |")
+  lines += ["", "## Where the chains broke (share of episodes; hops counted from 0)", "",
+            "| | warm start | after RL |", "|---|---|---|"]  # fmt: skip
+  for kind in chain_breaks.KINDS:
+    cells = [break_cell(d, kind) for d in (s["chain_breaks_sft"], s["chain_breaks_rl"])]
+    lines.append(f"| {kind} | {cells[0]} | {cells[1]} |")
   lines += ["", "## Tool calls per training trajectory (step: mean / p90 / max)", ""]
   lines += [f"- {d['step']}: {d['mean']:.1f} / {d['p90']:.1f} / {d['max']:.0f}"
             for d in s["train_tool_calls"]]  # fmt: skip
@@ -204,6 +237,15 @@ def format_markdown(s: Mapping[str, Any]) -> str:
             f"Bars: {json.dumps(s['bars'])}", "",
             f"Wall time {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB.", ""]  # fmt: skip
   return "\n".join(lines)
+
+
+def break_cell(breaks: Mapping[str, Any], kind: str) -> str:
+  """ "31% (hop 0: 47, hop 1: 23)": a kind's share and its commonest hops."""
+  d = breaks.get(kind)
+  if not d or not d["count"]:
+    return "-"
+  top = sorted(d["by_hop"].items(), key=lambda kv: -kv[1])[:3]
+  return f"{100 * d['share']:.0f}% (" + ", ".join(f"hop {h}: {c}" for h, c in top) + ")"
 
 
 def write(out: Path, summary: Mapping[str, Any]) -> None:

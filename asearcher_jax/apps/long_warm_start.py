@@ -23,6 +23,7 @@ from asearcher_jax.apps.quickstart import QuickstartEval, model_dir_id
 from asearcher_jax.apps.warm_start import evaluate_model_dir, ship
 from asearcher_jax.apps.world import WorldFiles
 from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.synthwiki import chain_breaks
 from asearcher_jax.synthwiki.wiki import SynthWikiConfig
 
 if TYPE_CHECKING:  # long_horizon imports this module
@@ -32,12 +33,6 @@ if TYPE_CHECKING:  # long_horizon imports this module
 LONG_WARM_START = Path(__file__).resolve().parents[1] / "assets/checkpoints/synthwiki_long_sft"
 # The command that makes the shipped copy (its gin file sets `LongWarmStart.ship_to`).
 COMMAND = "asearcher long-horizon --gin_file gin/experiments/long_horizon_warm_start.gin"
-
-
-def heldout_hops(files: WorldFiles) -> dict[str, int]:
-  """Hop count of each held-out question, by id."""
-  rows = (json.loads(line) for line in files.test.open() if line.strip())
-  return {r["id"]: int(r["hops"]) for r in rows}
 
 
 def evaluate_card(
@@ -61,7 +56,8 @@ def evaluate_card(
     model_dir, files, root / "eval", evaluation=evaluation, temperature=temperature, agent=agent,
     engine=engine, policy_name=f"sft:{model_dir_id(model_dir)}", greedy=False,
   )  # fmt: skip
-  hops = heldout_hops(files)
+  questions = lh_report.heldout_questions(files.test)
+  hops = {qid: q.hops for qid, q in questions.items()}
   rows = lh_report.eval_rows(root / "eval", "sft:")
   sft_summary = json.loads((model_dir.parent / "sft_summary.json").read_text())
   sampled = scores["sampled"]
@@ -85,6 +81,7 @@ def evaluate_card(
     "long_hops": long_hops,
     "long": lh_report.long_stats(rows, hops, long_hops),
     "by_hops": lh_report.by_hops(rows, hops),
+    "chain_breaks": lh_report.breaks_of(root / "eval", "sft:", questions),
     "eval_seconds": round(time.time() - t0, 1),
     "sft_summary": sft_summary,
   }  # fmt: skip
@@ -138,6 +135,9 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     "| hops | Avg EM | tool calls | samples |", "|---|---|---|---|",
     *(f"| {h} | {_pct(d['avg_em'])} | {d['tool_calls']:.1f} | {d['samples']} |"
       for h, d in card["by_hops"].items()),
+    "", "Where the chains broke (share of episodes; hops counted from 0):", "",
+    *(f"- {kind}: {lh_report.break_cell(card['chain_breaks'], kind)}"
+      for kind in chain_breaks.KINDS if "chain_breaks" in card),
     "", "---", "", sft_card,
   ]  # fmt: skip
   return "\n".join(lines)

@@ -20,6 +20,7 @@ from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectori
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
+from asearcher_jax.synthwiki import chain_breaks
 from asearcher_jax.synthwiki.expert import ExpertConfig
 from asearcher_jax.synthwiki.questions import chain_entities, hop_leaks, mentions
 from asearcher_jax.synthwiki.wiki import SynthWikiConfig, build_synthwiki
@@ -139,6 +140,11 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert card["command"] == lh.long_warm_start.COMMAND
   assert card["data_sha256"] == card["sft_summary"]["data"]["data_sha256"]
   assert sum(v["samples"] for v in card["by_hops"].values()) == 4 * 2
+  # Every evaluated episode's chain break is counted once, at a hop inside its chain.
+  breaks = card["chain_breaks"]
+  assert breaks["episodes"] == 4 * 2
+  assert sum(breaks[k]["count"] for k in chain_breaks.KINDS) == 4 * 2
+  assert all(0 <= int(h) <= 8 for k in chain_breaks.KINDS for h in breaks[k]["by_hop"])
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
     p.name for p in shipped.iterdir()
   }
@@ -167,6 +173,9 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert s["max_tool_calls_train"] == max(d["max"] for d in dist)
   assert set(s["accuracy_by_hops_sft"]) <= {str(h) for h in range(4, 9)}
   assert sum(v["samples"] for v in s["accuracy_by_hops_sft"].values()) == 4 * 2
+  assert s["chain_breaks_sft"] == breaks  # the same evaluation, reused
+  assert s["chain_breaks_rl"]["episodes"] == 4 * 2
+  assert "Where the chains broke" in (run_dir / "report" / "long_horizon.md").read_text()
   assert s["replay_buckets"] and all(b["trained"] >= 0 for b in s["replay_buckets"].values())
   assert s["limit_hits"]["train_trajectories"] >= 4
   assert set(s["bars"]) >= {"tool_calls_rl_long>=10", "avg4_long_gain>=10pt"}
