@@ -73,8 +73,8 @@ class CrashLoopConfig:
     before it has restored or trained anything).
   early_window_s: see early_frac.
   journal_frac: fraction of kills aimed after a checkpoint whose in-flight episodes hold finished
-    generate calls that the next life will replay (the case resuming from journals is for; with generation faster than
-    training most checkpoints find only a fresh group in flight).
+    generate calls that the next life will replay (the case resuming from journals is for; with
+    generation faster than training most checkpoints find only a fresh group in flight).
   late_delay_s: "late" kills land this long (uniform in [0, late_delay_s]) after the life's own
     first checkpoint; "journal" ones land as soon as such a checkpoint is seen.
   journal_patience: a "journal" kill settles for any new checkpoint once the life has written
