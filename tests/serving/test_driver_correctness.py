@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -233,13 +234,27 @@ async def test_top_k_and_top_p_restrict_the_draw(make_driver):
 
 async def swap_after(driver, new_model, n_before: int) -> None:
   """Swaps in new_model's weights as version 1 once the one live request has produced n_before
-  tokens (polls its slot: the engine thread pauses between steps while we hold no lock)."""
-  while True:
+  tokens. The driver thread waits after that step until the update is submitted: polled from the
+  event loop instead, the update landed after the request had ended on a busy machine (the CI
+  run of the suite with k4, 2026-11-26)."""
+  reached, submitted = threading.Event(), threading.Event()
+  step = driver._step
+
+  def step_then_wait():
+    step()
     req = next((r for r in driver._slots if r is not None), None)
-    if req is not None and len(req.tokens) >= n_before:
-      break
-    await asyncio.sleep(0)
-  await asyncio.wrap_future(driver.submit_update(nnx.state(new_model), 1))
+    if not reached.is_set() and req is not None and len(req.tokens) >= n_before:
+      reached.set()
+      submitted.wait(30)
+
+  driver._step = step_then_wait
+  try:
+    assert await asyncio.to_thread(reached.wait, 60)
+    update = driver.submit_update(nnx.state(new_model), 1)
+  finally:
+    submitted.set()
+    driver._step = step
+  await asyncio.wrap_future(update)
 
 
 @BOTH_STEPS
