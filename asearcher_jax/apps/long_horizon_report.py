@@ -51,15 +51,22 @@ def heldout_questions(test_jsonl: Path) -> dict[str, SynthQuestion]:
 def breaks_of(
   eval_dir: Path, policy_prefix: str, questions: Mapping[str, SynthQuestion]
 ) -> dict[str, Any]:
-  """`chain_breaks.tally` over every episode of the newest evaluation of `policy_prefix`."""
+  """`chain_breaks.tally` over every episode of the newest evaluation of `policy_prefix`.
+
+  A record that cannot be read (torn by a crash mid-write) or names a question outside
+  `questions` (another world's evaluation) is skipped and counted in "skipped", so one bad file
+  costs one episode, not the report."""
   newest = newest_eval(eval_dir, policy_prefix)
-  records = (
-    (json.loads(f.read_text()) for f in sorted(newest.glob("*/run*/*.json"))) if newest else ()
-  )
-  return chain_breaks.tally(
-    chain_breaks.episode_break(questions[r["qid"]], r)
-    for r in records if questions[r["qid"]].kind == "chain"
-  )  # fmt: skip
+  breaks, skipped = [], 0
+  for f in sorted(newest.glob("*/run*/*.json")) if newest else ():
+    try:
+      record = json.loads(f.read_text())
+      q = questions[record["qid"]]
+      if q.kind == "chain":
+        breaks.append(chain_breaks.episode_break(q, record))
+    except (ValueError, KeyError, TypeError):
+      skipped += 1
+  return {**chain_breaks.tally(breaks), "skipped": skipped}
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -228,6 +235,9 @@ def format_markdown(s: Mapping[str, Any]) -> str:
   for kind in chain_breaks.KINDS:
     cells = [break_cell(d, kind) for d in (s["chain_breaks_sft"], s["chain_breaks_rl"])]
     lines.append(f"| {kind} | {cells[0]} | {cells[1]} |")
+  skipped = [d.get("skipped", 0) for d in (s["chain_breaks_sft"], s["chain_breaks_rl"])]
+  if any(skipped):
+    lines.append(f"| unreadable episodes (skipped) | {skipped[0]} | {skipped[1]} |")
   lines += ["", "## Tool calls per training trajectory (step: mean / p90 / max)", ""]
   lines += [f"- {d['step']}: {d['mean']:.1f} / {d['p90']:.1f} / {d['max']:.0f}"
             for d in s["train_tool_calls"]]  # fmt: skip

@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
 import pytest
 from flax import nnx
 
@@ -45,3 +50,41 @@ def make_driver(tokenizer, request):
   yield make
   for d in drivers:
     d.close()
+
+
+class DriverHold:
+  """Where a test holds the driver thread: `reached` is set once the wrapped method has returned
+  with its condition true, and the thread waits there until `release()` (or the block ends)."""
+
+  def __init__(self) -> None:
+    self.reached, self.released = threading.Event(), threading.Event()
+
+  async def wait_reached(self, timeout: float = 60.0) -> None:
+    assert await asyncio.to_thread(self.reached.wait, timeout), "the driver never got there"
+
+  def release(self) -> None:
+    self.released.set()
+
+
+@contextlib.contextmanager
+def hold_driver(
+  driver: Driver, method: str, when: Callable[..., bool] = lambda *args: True
+) -> Iterator[DriverHold]:
+  """Holds the driver thread once, right after `driver.<method>(...)` returns with `when(...)`
+  (given the same arguments) true, so a test can act at an exact point of the driver's loop: polled
+  from the event loop instead, the point was missed on a busy machine (CI runs of 2026-11-26)."""
+  hold, original = DriverHold(), getattr(driver, method)
+
+  def held(*args):
+    out = original(*args)
+    if not hold.reached.is_set() and when(*args):
+      hold.reached.set()
+      hold.released.wait(30)
+    return out
+
+  setattr(driver, method, held)
+  try:
+    yield hold
+  finally:
+    hold.release()
+    setattr(driver, method, original)

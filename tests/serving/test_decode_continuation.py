@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from asearcher_jax.serving.driver import CUMULATIVE_STATS
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.types import SamplingParams
-from tests.serving.conftest import tiny_model
+from tests.serving.conftest import hold_driver, tiny_model
 from tests.serving.test_driver_correctness import (
   PROMPTS,
   assert_same_results,
@@ -85,26 +84,16 @@ async def test_a_continuation_aborted_before_its_first_token_leaves_its_slot_usa
   # The driver thread stops right after the continuation goes live, until the abort is in: the
   # call it then dispatches feeds the prompt's last token, and the abort is reaped before that
   # call's token is recorded (the request leaves with no tokens).
-  live, aborted = threading.Event(), threading.Event()
-  admit = driver._admit_continuation
-
-  def admit_then_wait(req, slot):
-    admit(req, slot)
-    live.set()
-    assert aborted.wait(30)
-
-  driver._admit_continuation = admit_then_wait
-  task = asyncio.ensure_future(gen(driver, prompt, 40, request_id="c"))
-  assert await asyncio.to_thread(live.wait, 30)
-  assert driver.abort("c")
-  aborted.set()
+  with hold_driver(driver, "_admit_continuation") as hold:
+    task = asyncio.ensure_future(gen(driver, prompt, 40, request_id="c"))
+    await hold.wait_reached(30)
+    assert driver.abort("c")
   partial = await task
   assert partial.stop_reason == "abort" and partial.tokens == []
   s = driver.stats()
   assert s["decode_continuations"] == 1 and s["prefix_hits"] == 1 and s["slots_parked"] == 1
   # The slot is parked (holding the prompt but its last token, which the driver does not count
   # as fed): asked again, the same turn reuses it and decodes what the model says.
-  driver._admit_continuation = admit
   again = await gen(driver, prompt, 5)
   assert driver.stats()["prefix_hits"] == 2
   assert again.tokens == greedy_reference(model, prompt, 5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ from flax import nnx
 
 from asearcher_jax.model import transformer
 from asearcher_jax.serving.types import GenerationClient, SamplingParams
-from tests.serving.conftest import BOTH_STEPS, VOCAB, tiny_model
+from tests.serving.conftest import BOTH_STEPS, VOCAB, hold_driver, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 NO_STOP: tuple[int, ...] = ()
@@ -237,23 +236,14 @@ async def swap_after(driver, new_model, n_before: int) -> None:
   tokens. The driver thread waits after that step until the update is submitted: polled from the
   event loop instead, the update landed after the request had ended on a busy machine (the CI
   run of the suite with k4, 2026-11-26)."""
-  reached, submitted = threading.Event(), threading.Event()
-  step = driver._step
 
-  def step_then_wait():
-    step()
+  def produced_enough() -> bool:
     req = next((r for r in driver._slots if r is not None), None)
-    if not reached.is_set() and req is not None and len(req.tokens) >= n_before:
-      reached.set()
-      submitted.wait(30)
+    return req is not None and len(req.tokens) >= n_before
 
-  driver._step = step_then_wait
-  try:
-    assert await asyncio.to_thread(reached.wait, 60)
+  with hold_driver(driver, "_step", produced_enough) as hold:
+    await hold.wait_reached()
     update = driver.submit_update(nnx.state(new_model), 1)
-  finally:
-    submitted.set()
-    driver._step = step
   await asyncio.wrap_future(update)
 
 

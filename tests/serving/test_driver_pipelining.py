@@ -6,12 +6,11 @@ clean, and aborts and weight updates that land while a step is in flight keep th
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import numpy as np
 from flax import nnx
 
-from tests.serving.conftest import BOTH_STEPS, tiny_model
+from tests.serving.conftest import BOTH_STEPS, hold_driver, tiny_model
 from tests.serving.test_driver_correctness import (
   GREEDY,
   PROMPTS,
@@ -104,22 +103,12 @@ async def test_update_drains_the_step_in_flight_before_reprefill(make_driver):
   # The driver thread waits after the step that brings the tokens to >= 12 (a call of the old
   # weights may be in flight) until the update is submitted: on a busy machine a test polling
   # from the event loop saw the requests finish first (the CI run of 3ad5989, k4).
-  reached, submitted = threading.Event(), threading.Event()
-  step = driver._step
-
-  def step_then_wait():
-    step()
-    if driver.metrics["tokens"] >= 12 and not reached.is_set():
-      reached.set()
-      assert submitted.wait(30)
-
-  driver._step = step_then_wait
-  tasks = [
-    asyncio.create_task(driver.generate(p, GREEDY, 24, stop_token_ids=())) for p in PROMPTS[:3]
-  ]
-  assert await asyncio.to_thread(reached.wait, 60)
-  update = driver.submit_update(nnx.state(new), 1)
-  submitted.set()
+  with hold_driver(driver, "_step", lambda: driver.metrics["tokens"] >= 12) as hold:
+    tasks = [
+      asyncio.create_task(driver.generate(p, GREEDY, 24, stop_token_ids=())) for p in PROMPTS[:3]
+    ]
+    await hold.wait_reached()
+    update = driver.submit_update(nnx.state(new), 1)
   await asyncio.wrap_future(update)
   for prompt, task in zip(PROMPTS[:3], tasks, strict=True):
     res = await asyncio.wait_for(task, 60)
