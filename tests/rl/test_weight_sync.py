@@ -33,7 +33,7 @@ from asearcher_jax.serving.weights_dir import (
   read_latest,
   versions,
 )
-from tests.serving.conftest import VOCAB, make_driver, tiny_model, tokenizer  # noqa: F401
+from tests.serving.conftest import VOCAB, hold_driver, make_driver, tiny_model, tokenizer  # noqa: F401
 
 
 def make_learner(model) -> Learner:
@@ -80,14 +80,23 @@ async def test_in_process_update_lands_mid_generation(make_driver):  # noqa: F81
   staleness = StalenessManager(StalenessConfig(batch_groups=1, max_staleness=0))
   sync = InProcessWeightSync(driver, staleness, WeightSyncConfig(timeout_s=60))
   learner.train_step([one_group(0)])  # version 1 (compiles before the request starts)
-  task = asyncio.create_task(
-    driver.generate(list(range(1, 9)), SamplingParams(seed=1), 100, stop_token_ids=())
-  )
-  deadline = time.monotonic() + 60
-  while driver.stats()["tokens_generated"] < 5:  # decoding is under way
-    assert time.monotonic() < deadline and not task.done()
-    await asyncio.sleep(0.005)
-  metrics = await asyncio.to_thread(sync.publish, learner)
+  # The driver thread waits once decoding is under way, until the update is submitted: polled
+  # from the event loop, a slow copy on a busy machine could let all 100 tokens out first.
+  with hold_driver(driver, "_step", lambda: driver.metrics["tokens"] >= 5) as hold:
+    submit = driver.submit_update
+
+    def submit_then_release(*args, **kw):
+      done = submit(*args, **kw)
+      hold.release()
+      return done
+
+    driver.submit_update = submit_then_release
+    task = asyncio.create_task(
+      driver.generate(list(range(1, 9)), SamplingParams(seed=1), 100, stop_token_ids=())
+    )
+    await hold.wait_reached()
+    metrics = await asyncio.to_thread(sync.publish, learner)
+    driver.submit_update = submit
   result = await asyncio.wait_for(task, 60)
   versions = np.asarray(result.versions)
   assert result.stop_reason == "length" and len(versions) == 100

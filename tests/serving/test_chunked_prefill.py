@@ -11,13 +11,18 @@ import pytest
 from flax import nnx
 
 from asearcher_jax.serving.types import SamplingParams
-from tests.serving.conftest import tiny_model
+from tests.serving.conftest import hold_driver, tiny_model
 from tests.serving.test_driver_correctness import greedy_reference, learner_logprobs
 from tests.serving.test_prefix_cache import gen
 
 GREEDY = SamplingParams(temperature=0.0)
 LONG = [(7 * i + 3) % 97 + 2 for i in range(30)]  # 30 tokens: pieces of 8, 8, 8, 6
 SHORT = [5, 17, 42]
+
+
+async def _queued(driver, request_id: str) -> None:
+  while request_id not in driver._by_id:
+    await asyncio.sleep(0.001)
 
 
 def _record_pieces(driver, on_piece=None) -> list[tuple[int, int]]:
@@ -62,11 +67,14 @@ async def test_pieces_give_what_one_prefill_gives(make_driver, sampling):
 async def test_live_slots_decode_between_pieces(make_driver):
   driver = make_driver(tiny_model(seed=8), prefill_chunk=8, prefix_reuse=False)
   seen = _record_pieces(driver)
-  live = asyncio.create_task(gen(driver, SHORT, 40))
-  while driver.stats()["tokens_generated"] < 2:
-    await asyncio.sleep(0)
-  await gen(driver, LONG, 4)
-  await live
+  # The driver thread waits once the short request is decoding, until the long prompt is queued:
+  # polled from the event loop, the short request's 40 tokens could all be out first.
+  with hold_driver(driver, "_step", lambda: driver.metrics["tokens"] >= 2) as hold:
+    live = asyncio.create_task(gen(driver, SHORT, 40))
+    await hold.wait_reached()
+    long = asyncio.create_task(gen(driver, LONG, 4, request_id="long"))
+    await asyncio.wait_for(_queued(driver, "long"), 30)
+  await asyncio.wait_for(asyncio.gather(long, live), 120)
   steps = [n for _, n in seen]
   assert len(steps) == 4 and all(b > a for a, b in itertools.pairwise(steps))  # a decode call each
 
