@@ -59,14 +59,26 @@ def breaks_of(
   newest = newest_eval(eval_dir, policy_prefix)
   breaks, skipped = [], 0
   for f in sorted(newest.glob("*/run*/*.json")) if newest else ():
-    try:
-      record = json.loads(f.read_text())
-      q = questions[record["qid"]]
-      if q.kind == "chain":
-        breaks.append(chain_breaks.episode_break(q, record))
-    except (ValueError, KeyError, TypeError):
+    read = _episode(f, questions)
+    if read is None:
       skipped += 1
+    elif read[0].kind == "chain":
+      breaks.append(chain_breaks.episode_break(*read))
   return {**chain_breaks.tally(breaks), "skipped": skipped}
+
+
+def _episode(
+  f: Path, questions: Mapping[str, SynthQuestion]
+) -> tuple[SynthQuestion, dict[str, Any]] | None:
+  """(question, record) of one evaluation episode file, or None if it is torn or foreign. Only
+  the reading is guarded: an error inside `chain_breaks` still raises."""
+  try:
+    record = json.loads(f.read_text())
+    q = questions[record["qid"]]
+    ok = isinstance(record["trajectory"]["calls"], list) and "finish_reason" in record
+  except (ValueError, KeyError, TypeError):
+    return None
+  return (q, record) if ok else None
 
 
 def _mean(xs: Sequence[float]) -> float:

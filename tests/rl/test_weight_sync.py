@@ -94,9 +94,11 @@ async def test_in_process_update_lands_mid_generation(make_driver):  # noqa: F81
     task = asyncio.create_task(
       driver.generate(list(range(1, 9)), SamplingParams(seed=1), 100, stop_token_ids=())
     )
-    await hold.wait_reached()
-    metrics = await asyncio.to_thread(sync.publish, learner)
-    driver.submit_update = submit
+    try:
+      await hold.wait_reached()
+      metrics = await asyncio.to_thread(sync.publish, learner)
+    finally:
+      driver.submit_update = submit
   result = await asyncio.wait_for(task, 60)
   versions = np.asarray(result.versions)
   assert result.stop_reason == "length" and len(versions) == 100
