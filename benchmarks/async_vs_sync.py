@@ -58,7 +58,8 @@ slots (`EngineConfig.decode_rows`, 8, 16 and 32 rows of the 80; ~8.5 rows per st
 that took the async run from 54 s to 44 s (train step 3.2 -> 2.6 s, since the learner shares the
 cores). The per-mode "engine" entry gives prefill, weight-update and decode seconds, and the
 engine thread's busy seconds per trained token. By default (`--engine-settings both`) the async
-mode runs twice, with the new engine settings (suffix prefills of turns that arrive together in
+mode runs twice, with the new engine settings (up to 8 decode steps per call,
+`EngineConfig.decode_steps_per_call`, `--decode-steps`; suffix prefills of turns that arrive together in
 one call, `EngineConfig.suffix_batch`; an update's re-prefills batched by bucket,
 `DriverConfig.batch_reprefill`; a turn that continues its last call with nothing new admitted
 with no prefill, `DriverConfig.continue_in_decode`) and with the old ones (one call per slot for
@@ -200,6 +201,9 @@ class Workload:
   # re-prefills), "old" (one prefill call per slot, as before 2026-11-26), "both": async mode once
   # with each, side by side (the figures of issue 27: engine busy seconds per trained token).
   engine_settings: str = "both"
+  # The new settings' decode steps per generate call (EngineConfig.decode_steps_per_call); the
+  # old settings run one step per call.
+  decode_steps: int = 8
   engine_cpus: tuple[int, ...] = ()  # "process": the cores the engine gets; the trainer the rest
   # Compile every engine shape and learner bucket before the timed runs. False (smoke runs and
   # tests): shapes compile on first use, inside the runs, so the figures include compile time.
@@ -290,6 +294,7 @@ def engine_config(w: Workload) -> EngineConfig:
     prefill_buckets=w.prefill_buckets,
     decode_rows=w.decode_rows,
     suffix_batch=(1, 2, 4, 8),  # agents' next turns that arrive together: one call
+    decode_steps_per_call=w.decode_steps,
   )
 
 
@@ -320,10 +325,13 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
 
 
 def use_old_engine_settings(shared: Shared) -> None:
-  """The engine as it was before 2026-11-26: one suffix prefill call per parked slot (a turn
-  that continues its last call with nothing new included) and one re-prefill call per in-flight
-  slot on a weight update (the driver reads these settings live)."""
-  shared.engine.cfg = dataclasses.replace(shared.engine.cfg, suffix_batch=(1,))
+  """The engine as it was before 2026-11-25 and 26: one decode step per call, one suffix prefill call per
+  parked slot (a turn that continues its last call with nothing new included) and one re-prefill
+  call per in-flight slot on a weight update (the driver reads these settings live; warm-up
+  compiled the one-step calls too)."""
+  shared.engine.cfg = dataclasses.replace(
+    shared.engine.cfg, suffix_batch=(1,), decode_steps_per_call=1
+  )
   shared.driver.cfg = dataclasses.replace(
     shared.driver.cfg, batch_reprefill=False, continue_in_decode=False
   )
@@ -614,6 +622,10 @@ def parse(argv: list[str] | None) -> Workload:
     help="async mode's engine: batched suffix prefills and re-prefills (new), one call per slot "
     "(old), or both side by side (the default with --engine thread; new with --engine process)",
   )  # fmt: skip
+  p.add_argument(
+    "--decode-steps", type=int, default=d.decode_steps,
+    help="the new engine settings' decode steps per generate call (the old ones: 1)",
+  )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   p.add_argument(
     "--no-warmup", action="store_true",
@@ -643,7 +655,7 @@ def parse(argv: list[str] | None) -> Workload:
     k_tools=dataclasses.replace(d.k_tools, median=a.k_median, high=a.k_max),
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
     prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update, engine=a.engine,
-    engine_settings=a.engine_settings,
+    engine_settings=a.engine_settings, decode_steps=a.decode_steps,
     engine_cpus=parse_cpus(a.engine_cpus), warmup=not a.no_warmup,
   )  # fmt: skip
 

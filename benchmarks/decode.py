@@ -4,7 +4,8 @@ Runs with no arguments, on the same random qwen2-tiny weights (real Qwen vocabul
   (i)   our RL driver (continuous batching; batch = concurrent requests = slots), with the new
         engine settings (`NEW`: several decode steps per call) and, at batch 32 and in the long
         tail, the old ones (`OLD`: one step per call) side by side,
-  (ii)  Hugging Face transformers `generate` (PyTorch CPU, greedy, same weights via hf_io.save),
+  (ii)  Hugging Face transformers `generate` (PyTorch, greedy, same weights via hf_io.save, same
+        dtype; on the GPU when JAX runs on one and torch sees it, else on the CPU: like for like),
   (iii) our engine with static batching (a batch is admitted together and runs until its longest
         member finishes; same engine settings as the driver),
 at batch 1, 8 and 32 with fixed output lengths, plus a long-tail workload (output lengths from a
@@ -63,9 +64,12 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
   return [rng.integers(100, VOCAB, PROMPT_LEN).tolist() for _ in range(n)]
 
 
+LOOP = "while"  # the new settings' EngineConfig.decode_loop (--decode-loop)
+
+
 def build_engine(model, tok, slots: int, steps: int = NEW) -> Engine:
   cfg = EngineConfig(max_slots=slots, max_seq_len=MAX_SEQ, prefill_buckets=(32, 64, 128, 256),
-                     decode_steps_per_call=steps)  # fmt: skip
+                     decode_steps_per_call=steps, decode_loop=LOOP)  # fmt: skip
   return Engine.from_model(model, tok, cfg)
 
 
@@ -141,8 +145,15 @@ def run_static(engine: Engine, prompts, lengths, mode: str = "greedy") -> tuple[
   return time.perf_counter() - t, total
 
 
+def torch_device() -> str:
+  """Where transformers runs: the accelerator JAX uses, if torch sees one too (like for like)."""
+  import torch
+
+  return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def run_transformers(
-  hf_dir: str, prompts, n_new: int, batch: int, logprobs: bool = False
+  hf_dir: str, prompts, n_new: int, batch: int, logprobs: bool = False, dtype: str = "float32"
 ) -> tuple[float, int]:
   import torch
   import transformers
@@ -159,11 +170,13 @@ def run_transformers(
       return scores
 
   torch.set_num_threads(os.cpu_count() or 1)
-  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+  device = torch_device()
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
+  model = model.to(device).eval()
   total = 0
   t = None
   for i in range(0, len(prompts), batch):
-    ids = torch.tensor(prompts[i : i + batch])
+    ids = torch.tensor(prompts[i : i + batch], device=device)
     extra = {"logits_processor": [RecordLogprobs()]} if logprobs else {}
     if t is None:  # warm-up on the first batch
       with torch.no_grad():
@@ -176,20 +189,33 @@ def run_transformers(
         ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0,
         attention_mask=torch.ones_like(ids), **extra,
       )  # fmt: skip
+    out.cpu()  # the tokens on the host, as our driver returns them
     total += (out.shape[1] - ids.shape[1]) * ids.shape[0]
   return time.perf_counter() - t, total
 
 
 def main() -> None:
   tok = Tokenizer.qwen2()
-  global VOCAB
+  global VOCAB, LOOP
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("model", nargs="?", default="qwen2-tiny", help="model preset")
   parser.add_argument(
     "--dtype", choices=("float32", "bfloat16"), default="float32",
     help="engine weights and activations (bfloat16: what an accelerator serves)",
   )  # fmt: skip
+  parser.add_argument(
+    "--batches", default="1,8,32",
+    help="batch sizes of the fixed-length rows, comma-separated (the issue's bars need 32)",
+  )  # fmt: skip
+  parser.add_argument(
+    "--decode-loop", choices=("while", "fixed", "unrolled"), default=LOOP,
+    help="the new settings' device loop (EngineConfig.decode_loop; the old ones run one step)",
+  )  # fmt: skip
   args = parser.parse_args()
+  LOOP = args.decode_loop
+  batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+  if 32 not in batches:
+    parser.error("--batches must include 32 (the summary figures are batch 32's)")
   name = args.model
   cfg = presets.model_config(name=name, param_dtype=args.dtype, dtype=args.dtype)
   VOCAB = min(cfg.vocab_size, 20000)
@@ -198,9 +224,10 @@ def main() -> None:
   hf_io.save(model, hf_dir)
   print(f"model: {name} ({cfg.num_params() / 1e6:.1f}M params), prompt {PROMPT_LEN}, "
         f"new tokens {NEW_TOKENS}, {args.dtype}, jax on {jax.devices()[0].device_kind}, "
-        f"decode steps per call new {NEW} / old {OLD}, {REPS} interleaved repetitions", flush=True)  # fmt: skip
+        f"decode steps per call new {NEW} / old {OLD}, {REPS} interleaved repetitions, "
+        f"transformers on {torch_device()}", flush=True)  # fmt: skip
   out: dict = {}
-  for batch in (1, 8, 32):
+  for batch in batches:
     prompts = make_prompts(max(batch, 8) if batch > 1 else 4, seed=batch)
     prompts = prompts[: (len(prompts) // batch) * batch]
     lengths = [NEW_TOKENS] * len(prompts)
@@ -228,8 +255,10 @@ def main() -> None:
         r["new_vs_old"] = r["driver_tok_s"] / r["old_driver_tok_s"]
         r["new_vs_old_logprobs"] = r["driver_logprobs_tok_s"] / r["old_driver_logprobs_tok_s"]
       s_s, s_tok = run_static(engine, prompts, lengths, "argmax")
-      h_s, h_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch)
-      hl_s, hl_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch, logprobs=True)
+      h_s, h_tok = run_transformers(hf_dir, prompts, NEW_TOKENS, batch, dtype=args.dtype)
+      hl_s, hl_tok = run_transformers(
+        hf_dir, prompts, NEW_TOKENS, batch, logprobs=True, dtype=args.dtype
+      )
       r["static_tok_s"] = s_tok / s_s
       r["transformers_tok_s"] = h_tok / h_s
       r["transformers_logprobs_tok_s"] = hl_tok / hl_s
@@ -291,7 +320,9 @@ def main() -> None:
   result = {
     "device": jax.devices()[0].device_kind,
     "dtype": args.dtype,
+    "transformers_device": torch_device(),
     "decode_steps_per_call": {"new": NEW, "old": OLD},
+    "decode_loop": LOOP,
     "reps": REPS,
     "vs_transformers_b32": b32["vs_transformers"]["median"],
     "vs_transformers_b32_logprobs": b32["vs_transformers_logprobs"]["median"],

@@ -17,6 +17,7 @@ import bisect
 import dataclasses
 import functools
 from collections.abc import Collection, Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,13 @@ class EngineConfig:
     default: on 2 CPU cores (2026-11-25, benchmarks/decode.py) 8 gave 1.07-1.11x at batch 1-8,
     1.0x at 32 and 0.9x on the long tail, since the driver's one-call-ahead loop already hides
     the host's work there; it is for accelerators, where a step is short next to a dispatch.
+  decode_loop: how a multi-step call loops on the device. "while" (the default) ends as soon
+    as no row emits, but XLA:GPU reads a data-dependent loop condition back to the host every
+    iteration, so each step's kernels launch only after the last one finished. "fixed" always
+    runs decode_steps_per_call iterations (a known trip count: no read-back; steps past the
+    call's budget are masked, wasted work where compute is dear, as on a CPU); "unrolled" is
+    "fixed" unrolled into straight-line code (no loop at all; compiles k step bodies). Tokens,
+    logprobs and stops are the same for all three.
   suffix_batch: how many parked slots one suffix prefill call may cover (`extend_slots`): the
     driver admits the agent turns that arrive together in chunks of these sizes, largest first.
     Each size above 1 compiles one more suffix prefill per shape; sizes above max_slots are
@@ -83,6 +91,7 @@ class EngineConfig:
   suffix_buckets: tuple[int, ...] = (32, 64, 128, 256)
   decode_rows: tuple[int, ...] = (8, 16)
   decode_steps_per_call: int = 1
+  decode_loop: Literal["while", "fixed", "unrolled"] = "while"
   suffix_batch: tuple[int, ...] = (1,)
   mesh: ServingMeshConfig = dataclasses.field(default_factory=ServingMeshConfig)
 
@@ -91,6 +100,8 @@ class EngineConfig:
       raise ValueError("max_slots must be >= 1 and max_seq_len >= 2")
     if self.decode_steps_per_call < 1:
       raise ValueError(f"decode_steps_per_call must be >= 1, got {self.decode_steps_per_call}")
+    if self.decode_loop not in ("while", "fixed", "unrolled"):
+      raise ValueError(f"decode_loop must be while, fixed or unrolled, got {self.decode_loop!r}")
     if 1 not in self.suffix_batch or min(self.suffix_batch) < 1:
       raise ValueError(f"suffix_batch must contain 1 and no size below 1, got {self.suffix_batch}")
 
@@ -332,7 +343,15 @@ class Engine(EngineContract):
     )
     window = self.bucket_for(max_length)
     state, out = steps.DECODE_CHUNK(
-      self._graphdef, window, mode, k, params, decode_state, plan, top_n=top_n
+      self._graphdef,
+      window,
+      mode,
+      k,
+      params,
+      decode_state,
+      plan,
+      top_n=top_n,
+      loop=self.cfg.decode_loop,
     )
     return state, out, rows
 

@@ -243,14 +243,16 @@ class ChunkPlan(NamedTuple):
 
 def _decode_chunk(graphdef, attend_len: int, mode: SamplingMode, max_steps: int,
                   params: VersionedParams, state: DecodeState, plan: ChunkPlan, *,
-                  top_n: int = 0):  # fmt: skip
+                  top_n: int = 0, loop: str = "while"):  # fmt: skip
   """Up to plan.steps decode steps in one call (a while_loop; one dispatch and one host copy
   instead of one per token). Each step is exactly `_generate_rows`' (same sampling keys and
   positions, so the same tokens and logprobs); a row stops emitting once it samples one of its
   stop ids or has emitted its budget, and the loop ends early when no row emits. A row stopped
   by a stop id leaves the call inactive (no later call advances it before the host parks it).
   Returns (state, [max_steps, R, COLUMNS + 2 * top_n] int32): per step and row, the
-  `ResultTokens` columns, VALID = the row emitted that token."""
+  `ResultTokens` columns, VALID = the row emitted that token. loop: "while" stops early; "fixed"
+  and "unrolled" run max_steps iterations (known trip count), the ones past plan.steps or every
+  row's stop emitting nothing and writing only the scratch cache position (EngineConfig)."""
   model: Transformer = nnx.merge(graphdef, params.state)
   rows, n_slots = plan.rows, state.lengths.shape[0]
   every = rows.shape[0] == n_slots  # static: no gather, row i is slot i
@@ -262,7 +264,7 @@ def _decode_chunk(graphdef, attend_len: int, mode: SamplingMode, max_steps: int,
   out = jnp.zeros((max_steps, rows.shape[0], COLUMNS + 2 * top_n), jnp.int32)
 
   def emitting(i, done):
-    return ~done & (i < plan.budget)
+    return ~done & (i < plan.budget) & (i < plan.steps)
 
   def cond(carry):
     i, *_, done, _, _ = carry
@@ -287,7 +289,12 @@ def _decode_chunk(graphdef, attend_len: int, mode: SamplingMode, max_steps: int,
 
   carry = (jnp.int32(0), state.cache, state.lengths[rows], state.next_tokens[rows], ~run,
            jnp.zeros_like(run), out)  # fmt: skip
-  _, cache, lengths, tok, _, stopped, out = jax.lax.while_loop(cond, body, carry)
+  if loop == "while":
+    carry = jax.lax.while_loop(cond, body, carry)
+  else:
+    unroll = max_steps if loop == "unrolled" else 1
+    carry = jax.lax.fori_loop(0, max_steps, lambda _, c: body(c), carry, unroll=unroll)
+  _, cache, lengths, tok, _, stopped, out = carry
   new_state = state.replace(
     cache=cache,
     lengths=state.lengths.at[rows].set(lengths),
@@ -430,7 +437,7 @@ GENERATE_ROWS = jax.jit(
   _generate_rows, static_argnums=(0, 1, 2), static_argnames="top_n", donate_argnums=4
 )
 DECODE_CHUNK = jax.jit(
-  _decode_chunk, static_argnums=(0, 1, 2, 3), static_argnames="top_n", donate_argnums=5
+  _decode_chunk, static_argnums=(0, 1, 2, 3), static_argnames=("top_n", "loop"), donate_argnums=5
 )
 EXTEND_ROW = jax.jit(_extend_row, static_argnums=(0, 1, 2), static_argnames="top_n")
 PUT_ROW = jax.jit(_put_row, donate_argnums=0)

@@ -37,10 +37,12 @@ def make_driver(tokenizer, request):
   default_steps = getattr(request, "param", 1)
 
   def make(model=None, *, slots=4, max_seq_len=64, buckets=(8, 16, 32), decode_rows=(8, 16),
-           decode_steps=None, suffix_batch=(1, 2, 4, 8), **driver_kw):  # fmt: skip
+           decode_steps=None, suffix_batch=(1, 2, 4, 8), decode_loop="while",
+           **driver_kw):  # fmt: skip
     cfg = EngineConfig(
       max_slots=slots, max_seq_len=max_seq_len, prefill_buckets=buckets, decode_rows=decode_rows,
       decode_steps_per_call=decode_steps or default_steps, suffix_batch=suffix_batch,
+      decode_loop=decode_loop,
     )  # fmt: skip
     engine = Engine.from_model(model or tiny_model(), tokenizer, cfg)
     d = Driver(engine, DriverConfig(**driver_kw))

@@ -26,9 +26,9 @@ from tests.serving.test_kv_on_update import stale_cache_reference
 K = 4
 
 
-def _engine(tokenizer, model, k: int, slots: int = 4) -> Engine:
+def _engine(tokenizer, model, k: int, slots: int = 4, loop: str = "while") -> Engine:
   cfg = EngineConfig(max_slots=slots, max_seq_len=64, prefill_buckets=(16, 32), decode_rows=(2,),
-                     decode_steps_per_call=k)  # fmt: skip
+                     decode_steps_per_call=k, decode_loop=loop)  # fmt: skip
   return Engine.from_model(model, tokenizer, cfg)
 
 
@@ -43,7 +43,10 @@ def _filled(engine: Engine, samplings):
   return params, state
 
 
-def test_a_chunk_is_the_single_steps_with_stops_and_budgets_inside(tokenizer):
+@pytest.mark.parametrize("loop", ["while", "fixed", "unrolled"])
+def test_a_chunk_is_the_single_steps_with_stops_and_budgets_inside(tokenizer, loop):
+  """Whatever the device loop (EngineConfig.decode_loop: an early exit, or a known trip count
+  whose spare steps are masked), a call emits exactly the single steps' tokens."""
   model = tiny_model(seed=21)
   samplings = [GREEDY, SamplingParams(temperature=0.8), SamplingParams(temperature=1.3), GREEDY]
   one = _engine(tokenizer, model, 1)
@@ -56,7 +59,7 @@ def test_a_chunk_is_the_single_steps_with_stops_and_budgets_inside(tokenizer):
   tokens = want[..., steps.TOKEN]
   lps = want[..., steps.LOGPROB].astype(np.int32).view(np.float32)
 
-  many = _engine(tokenizer, model, 8)
+  many = _engine(tokenizer, model, 8, loop=loop)
   params, state = _filled(many, samplings)
   before = jax.tree.map(np.asarray, state)
   stop = int(tokens[2, 1])  # slot 1 stops at its third token (or earlier, on a repeat)
@@ -83,11 +86,19 @@ def test_a_chunk_is_the_single_steps_with_stops_and_budgets_inside(tokenizer):
   assert not np.asarray(out)[..., steps.VALID].any()
   with pytest.raises(ValueError, match="bad decode chunk"):
     many.generate_chunk(params, state, [0], [0], [()], max_length=32)
+  # Budgets below k (5 steps of 8): the spare iterations of a fixed loop emit and advance nothing.
+  state, out, rows = many.generate_chunk(params, state, [0, 2], [3, 5], [(), ()], max_length=40,
+                                         mode="truncate")  # fmt: skip
+  assert list(rows) == [0, 2] and list(np.asarray(out)[..., steps.VALID].sum(axis=0)) == [3, 5]
+  assert list(np.asarray(state.lengths)) == list(after.lengths + np.array([3, 0, 5, 0]))
   with pytest.raises(ValueError, match="decode_steps_per_call"):
     EngineConfig(decode_steps_per_call=0)
+  with pytest.raises(ValueError, match="decode_loop"):
+    EngineConfig(decode_loop="scan")
 
 
-async def test_driver_results_equal_one_step_per_call(make_driver, tokenizer):
+@pytest.mark.parametrize("loop", ["while", "fixed"])
+async def test_driver_results_equal_one_step_per_call(make_driver, tokenizer, loop):
   """A mixed workload (greedy, seeded samples, top-p, stop ids that fire, a stop string, top
   logprobs, more requests than slots, gathered rows): identical through both settings."""
   model = tiny_model(seed=22)
@@ -110,7 +121,7 @@ async def test_driver_results_equal_one_step_per_call(make_driver, tokenizer):
     return await asyncio.wait_for(asyncio.gather(*jobs), 300)
 
   one = make_driver(model, slots=3, decode_rows=(2,), decode_steps=1)
-  many = make_driver(model, slots=3, decode_rows=(2,), decode_steps=K)
+  many = make_driver(model, slots=3, decode_rows=(2,), decode_steps=K, decode_loop=loop)
   want, got = await run(one), await run(many)
   for w, g in zip(want, got, strict=True):
     assert g.tokens == w.tokens and g.stop_reason == w.stop_reason and g.versions == w.versions
