@@ -7,8 +7,7 @@ what RL needs and JetStream lacks:
     packed `ResultTokens` array (columns: token, valid, length, logprob bits, version);
   * params are `VersionedParams`, so swapping weights is swapping one value between two steps;
   * sampling settings and seeds are per slot (see sampling.py).
-Shapes are fixed (slots x max_seq_len cache, a few prefill buckets), so nothing recompiles while
-serving.
+Shapes are fixed (slots x max_seq_len cache, a few buckets): nothing recompiles while serving.
 """
 
 from __future__ import annotations
@@ -51,37 +50,23 @@ class EngineConfig:
   max_seq_len: KV cache length per slot (prompt + generated tokens).
   prefill_buckets: padded prompt lengths, one compiled prefill each; lengths above
     max_seq_len are dropped and max_seq_len is always a bucket.
-  suffix_buckets: extra padded lengths for suffix prefills onto a cached prefix (the driver's
-    prefix reuse: an agent turn appends a few hundred tokens to a context already in a slot);
-    the prefill buckets are suffix buckets too. A suffix costs its bucket, not its length: keep
-    a small bucket where turns continue a call with nothing new (a 1-token suffix).
+  suffix_buckets: extra padded lengths (besides the prefill buckets) for suffix prefills onto a
+    cached prefix; a suffix costs its bucket, so keep a small one for 1-token continuations.
   decode_rows: decode-step sizes below max_slots: a step with at most r live slots (the
-    smallest such r) gathers their cache rows and computes r rows instead of max_slots. Agent
-    episodes spend most of their time waiting for tools with their slot parked, so a large
-    engine often decodes a handful of live slots (measured: 7 of 48 on average in
-    benchmarks/async_vs_sync.py), and a full step costs 4-7x a step over 8 rows. Each size is
-    one more compiled decode step per window and mode; () always decodes every slot.
-  decode_steps_per_call: most decode steps one generate call runs (`generate_chunk`, a loop on
-    the device with stop ids and per-slot token budgets applied inside): one dispatch and one host
-    copy per call instead of per token. Weight updates, aborts and admissions wait for the call
-    to end, so they land up to this many tokens later. 1 is one step per call (`generate`), the
-    default: on 2 CPU cores (2026-11-25, benchmarks/decode.py) 8 gave 1.07-1.11x at batch 1-8,
-    1.0x at 32 and 0.9x on the long tail, since the driver's one-call-ahead loop already hides
-    the host's work there; it is for accelerators, where a step is short next to a dispatch.
-  decode_loop: how a multi-step call loops on the device. "while" (the default) ends as soon
-    as no row emits, but XLA:GPU reads a data-dependent loop condition back to the host every
-    iteration, so each step's kernels launch only after the last one finished. "fixed" always
-    runs decode_steps_per_call iterations (a known trip count: no read-back; steps past the
-    call's budget are masked, wasted work where compute is dear, as on a CPU); "unrolled" is
-    "fixed" unrolled into straight-line code (no loop at all; compiles k step bodies). Tokens,
-    logprobs and stops are the same for all three.
-  suffix_batch: how many parked slots one suffix prefill call may cover (`extend_slots`): the
-    driver admits the agent turns that arrive together in chunks of these sizes, largest first.
-    Each size above 1 compiles one more suffix prefill per shape; sizes above max_slots are
-    ignored. (1,) (the default) is one call per slot: on 2 CPU cores (2026-11-26,
-    benchmarks/prefill.py) 8 suffixes in one call took 1/1.6 of the time of 8 calls, but in
-    benchmarks/async_vs_sync.py only ~1.2 turns arrived together per call and the extra shapes
-    made the quickstart's warm-up ~1.5x longer; (1, 2, 4, 8) is for bursty agent traffic.
+    smallest such r) gathers their cache rows and computes r rows instead of max_slots (agents
+    park their slots while tools run, so few are live). One more compiled step per window and
+    mode each; () always decodes every slot.
+  decode_steps_per_call: most decode steps one generate call runs (`generate_chunk`: stop ids and
+    per-slot budgets applied on the device; one dispatch and one host copy per call). Updates,
+    aborts and admissions land at call boundaries. 1 (`generate`) is the default: the knob pays
+    on accelerators, not on a CPU (docs/design_notes.md has the figures).
+  decode_loop: the device loop of a multi-step call: "while" exits once no row emits (XLA:GPU
+    reads its condition back every iteration); "fixed" runs all k iterations, spare ones masked
+    (no read-back; real work on a CPU); "unrolled" is "fixed" as straight-line code. Same tokens.
+  suffix_batch: how many parked slots one suffix prefill call may cover (`extend_slots`), in
+    chunks of these sizes, largest first; each size above 1 compiles one more suffix prefill per
+    shape. (1,), the default, is one call per slot: batching paid in isolation but agents' turns
+    rarely arrive together and warm-up grew ~1.5x (docs/measurements.md, "Prefills").
   mesh: the engine's devices (tensor parallelism over heads, MLP and KV cache; see mesh.py).
   """
 
@@ -127,11 +112,8 @@ class EngineConfig:
 
 
 class Engine(EngineContract):
-  """Our Transformer behind JetStream's Engine API (the jitted steps are in engine_steps.py).
-
-  Runs on its own mesh (`cfg.mesh`, or `mesh`: axes data, fsdp, tensor with data = fsdp = 1):
-  weights and the KV cache live in the shardings mesh.py describes, and the jitted steps follow
-  them (GSPMD inserts the collectives), so the same steps serve one chip or a slice."""
+  """Our Transformer behind JetStream's Engine API (jitted steps in engine_steps.py), on its own
+  mesh (`cfg.mesh` or `mesh`; shardings in mesh.py): the same steps serve one chip or a slice."""
 
   def __init__(
     self,
