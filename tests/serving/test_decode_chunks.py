@@ -43,10 +43,12 @@ def _filled(engine: Engine, samplings):
   return params, state
 
 
-@pytest.mark.parametrize("loop", ["while", "fixed", "unrolled"])
+@pytest.mark.parametrize("loop", ["while", "fixed"])
 def test_a_chunk_is_the_single_steps_with_stops_and_budgets_inside(tokenizer, loop):
   """Whatever the device loop (EngineConfig.decode_loop: an early exit, or a known trip count
-  whose spare steps are masked), a call emits exactly the single steps' tokens."""
+  whose spare steps are masked), a call emits exactly the single steps' tokens. ("unrolled" is
+  "fixed" with `fori_loop(unroll=k)`, the same program; it compiles 2x longer, so it is left to
+  benchmarks/decode_loop.py.)"""
   model = tiny_model(seed=21)
   samplings = [GREEDY, SamplingParams(temperature=0.8), SamplingParams(temperature=1.3), GREEDY]
   one = _engine(tokenizer, model, 1)
