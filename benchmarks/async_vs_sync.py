@@ -59,8 +59,8 @@ that took the async run from 54 s to 44 s (train step 3.2 -> 2.6 s, since the le
 cores). The per-mode "engine" entry gives prefill, weight-update and decode seconds, and the
 engine thread's busy seconds per trained token. By default (`--engine-settings both`) the async
 mode runs twice, with the new engine settings (up to 8 decode steps per call,
-`EngineConfig.decode_steps_per_call`, `--decode-steps`; suffix prefills of turns that arrive together in
-one call, `EngineConfig.suffix_batch`; an update's re-prefills batched by bucket,
+`EngineConfig.decode_steps_per_call`, `--decode-steps`; suffix prefills of turns that arrive
+together in one call, `EngineConfig.suffix_batch`; an update's re-prefills batched by bucket,
 `DriverConfig.batch_reprefill`; a turn that continues its last call with nothing new admitted
 with no prefill, `DriverConfig.continue_in_decode`) and with the old ones (one call per slot for
 each), and
@@ -325,10 +325,10 @@ def build_shared(w: Workload, tok_dir: Path) -> Shared:
 
 
 def use_old_engine_settings(shared: Shared) -> None:
-  """The engine as it was before 2026-11-25 and 26: one decode step per call, one suffix prefill call per
-  parked slot (a turn that continues its last call with nothing new included) and one re-prefill
-  call per in-flight slot on a weight update (the driver reads these settings live; warm-up
-  compiled the one-step calls too)."""
+  """The engine as it was before 2026-11-25 and 26: one decode step per call, one suffix prefill
+  call per parked slot (a turn that continues its last call with nothing new included) and one
+  re-prefill call per in-flight slot on a weight update (the driver reads these settings live;
+  warm-up compiled the one-step calls too)."""
   shared.engine.cfg = dataclasses.replace(
     shared.engine.cfg, suffix_batch=(1,), decode_steps_per_call=1
   )

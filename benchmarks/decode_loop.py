@@ -82,8 +82,9 @@ def main() -> None:
   rng = np.random.default_rng(32)
   prompts = [rng.integers(100, min(cfg.vocab_size, 20000), 32).tolist() for _ in range(args.batch)]
   max_seq = 1 << (32 + args.new_tokens).bit_length()
-  print(f"{args.model} {dtype} on {jax.devices()[0].device_kind}: batch {args.batch}, "
-        f"{args.new_tokens} new tokens, {args.reps} interleaved repetitions", flush=True)  # fmt: skip
+  device = jax.devices()[0].device_kind
+  print(f"{args.model} {dtype} on {device}: batch {args.batch}, {args.new_tokens} new tokens, "
+        f"{args.reps} interleaved repetitions", flush=True)  # fmt: skip
   engines, warm_s = {}, {}
   for name, (k, loop) in CONTENDERS.items():
     t = time.perf_counter()
