@@ -38,8 +38,10 @@ from asearcher_jax.apps.world import WorldFiles, expert_trajectories, prepare_wo
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
-from asearcher_jax.synthwiki.expert import ExpertConfig
-from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+from asearcher_jax.synthwiki import copy_drills
+from asearcher_jax.synthwiki.expert import ExpertConfig, read_trajectories, write_trajectories
+from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
+from asearcher_jax.tokenizer import Tokenizer
 
 # 150 chain questions per hop count from 4 to 12 (~1,350, ~20 % test), shuffled so that the first
 # evaluated test questions mix every length; hops isolated (each needs its own search).
@@ -86,6 +88,9 @@ class LongWarmStart:
   # Per act turn before the chain is resolved, answer with a guess (a geometric give-up point: a
   # k-hop chain is finished with probability about (1 - p_guess) ** k); 0: the imperfection's.
   p_guess: float = 0.0
+  # Copy drills per expert trajectory (`synthwiki.copy_drills`: its first search turn with the
+  # start renamed to any entity, so held-out starts are copy targets too); 0: none.
+  copy_drills: int = 0
   # Expert and SFT seed.
   seed: int = 0
   # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
@@ -122,13 +127,31 @@ def make_warm_start(
     )  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
     stats_path.write_text(json.dumps(stats) + "\n")
+  paths = [str(data)]
+  if warm.copy_drills:
+    paths.append(str(write_copy_drills(root, sw, files, data, warm)))
   sft_commands.sft(
-    trajectories=str(data), out_dir=str(root / "sft"),
+    trajectories=paths, out_dir=str(root / "sft"),
     policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=warm.seed),
     scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
     name="SynthWiki long-horizon warm start (asearcher long-horizon)",
   )  # fmt: skip
   return root / "sft" / "model", json.loads(stats_path.read_text()), files
+
+
+def write_copy_drills(
+  root: Path, sw: SynthWiki, files: WorldFiles, data: Path, warm: LongWarmStart
+) -> Path:
+  """root/copy_drills.jsonl from the expert's trajectories in `data` (written once; resumable)."""
+  path = root / "copy_drills.jsonl"
+  if not path.exists():
+    drills = copy_drills.copy_drills(
+      read_trajectories(data), {q.id: q for q in sw.train}, sw.world,
+      Tokenizer.from_dir(files.tokenizer), per_trajectory=warm.copy_drills, seed=warm.seed,
+    )  # fmt: skip
+    write_trajectories(drills, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+  return path
 
 
 def long_horizon(

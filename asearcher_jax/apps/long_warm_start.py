@@ -69,7 +69,8 @@ def evaluate_card(
     "expert": {
       "give_up_after_hops": list(warm.give_up_after_hops) if warm.give_up_after_hops else None,
       "p_guess": warm.p_guess, "imperfection": warm.imperfection,
-      "samples_per_question": warm.samples_per_question, **expert_stats,
+      "samples_per_question": warm.samples_per_question, "copy_drills": warm.copy_drills,
+      **expert_stats,
     },
     "data_sha256": sft_summary["data"]["data_sha256"],
     "data_files": {Path(f).name: h for f, h in sft_summary["data"]["files"].items()},
@@ -120,7 +121,10 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     f"World: SynthWiki seed {card['world']['seed']} (4-12-hop chains, hops isolated), digest "
     f"`{card['world_digest']}`. Expert: seed {card['seed']}, {e['samples_per_question']} episodes "
     f"per train question ({int(e['trajectories'])} trajectories, mean reward "
-    f"{e['expert_mean_reward']:.3f}). Data: "
+    f"{e['expert_mean_reward']:.3f})"
+    + (f", plus {e['copy_drills']} copy drills per trajectory (its first search turn with the "
+       "start renamed to any entity)" if e.get("copy_drills") else "")
+    + ". Data: "
     + ", ".join(f"`{name}` sha256 `{h}`" for name, h in card["data_files"].items()) + ".", "",
     f"SFT: {card['sft_steps']} steps, {card['sft_train_seconds']:.0f} s of training{resumed}; "
     f"held-out evaluation {card['eval_seconds']:.0f} s (2 CPU cores).", "",

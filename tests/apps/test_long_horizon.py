@@ -113,7 +113,7 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
                       progress=False)  # fmt: skip
   shipped = tmp_path / "shipped"
   warm = lh.LongWarmStart(
-    samples_per_question=1, give_up_after_hops=(2, 3), ship_to=str(shipped),
+    samples_per_question=1, give_up_after_hops=(2, 3), ship_to=str(shipped), copy_drills=2,
     sft=SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
       WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1)),
   )  # fmt: skip
@@ -156,6 +156,10 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
     ).hexdigest()
   )
   assert "## Reproduce" in md and card["data_files"]["expert_trajectories.jsonl"] in md
+  # The copy drills are an SFT input beside the expert's trajectories, named on the card.
+  assert card["expert"]["copy_drills"] == 2 and "copy drills" in md
+  assert card["data_files"]["copy_drills.jsonl"] in md
+  assert card["sft_summary"]["data"]["trajectories"] > card["expert"]["trajectories"]
   assert str(shipped) in md  # the card's "Use" points at the shipped copy
   # The whole run resumes the warm start and reuses its evaluation (one "sft:" evaluation).
   assert lh.long_horizon(**common) == 0
