@@ -100,6 +100,8 @@ class LongWarmStart:
   ship_to: str | None = None
   # Stop after the warm start's held-out evaluation and card (no RL).
   stop_after_card: bool = False
+  # The gin file that makes this warm start: the card's "Reproduce" command names it.
+  recipe: str = "gin/experiments/long_horizon_warm_start.gin"
 
 
 def warm_start_expert(warm: LongWarmStart) -> ExpertConfig:

@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # long_horizon imports this module
 
 # Where `asearcher long-horizon` loads its warm start from by default.
 LONG_WARM_START = Path(__file__).resolve().parents[1] / "assets/checkpoints/synthwiki_long_sft"
-# The command that makes the shipped copy (its gin file sets `LongWarmStart.ship_to`).
-COMMAND = "asearcher long-horizon --gin_file gin/experiments/long_horizon_warm_start.gin"
+# The command that makes a warm start from its recipe (`LongWarmStart.recipe`, a gin file).
+COMMAND = "asearcher long-horizon --gin_file {recipe}"
 
 
 def evaluate_card(
@@ -62,7 +62,7 @@ def evaluate_card(
   sft_summary = json.loads((model_dir.parent / "sft_summary.json").read_text())
   sampled = scores["sampled"]
   return {
-    "command": COMMAND,
+    "command": COMMAND.format(recipe=warm.recipe),
     "seed": warm.seed,
     "world": dataclasses.asdict(world),
     "world_digest": files.digest,

@@ -137,7 +137,8 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert lh.long_horizon(**{**common, "warm": stop}) == 0
   assert not (run_dir / "rl").exists()
   card = json.loads((shipped / "warm_start.json").read_text())
-  assert card["command"] == lh.long_warm_start.COMMAND
+  assert card["command"] == f"asearcher long-horizon --gin_file {warm.recipe}"
+  assert warm.recipe == "gin/experiments/long_horizon_warm_start.gin"
   assert card["data_sha256"] == card["sft_summary"]["data"]["data_sha256"]
   assert sum(v["samples"] for v in card["by_hops"].values()) == 4 * 2
   # Every evaluated episode's chain break is counted once, at a hop inside its chain.
