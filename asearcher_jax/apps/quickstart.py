@@ -302,11 +302,13 @@ def quickstart(
           # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
           # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
           # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
+          # Up to 256 rows: a long-horizon batch of 16 episodes whose search results are compacted
+          # (each compaction starts a new training sequence) needed 78 (2026-11-26).
           ppo=PPOConfig(
             row_len=engine.max_seq_len,
             short_row_lens=(engine.max_seq_len // 2,) if rl.short_row_lens is None
             else tuple(rl.short_row_lens),
-            row_buckets=(4, 8, 12, 16, 24, 32, 48, 64), temperature=max(temperature, 1e-6),
+            row_buckets=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), temperature=max(temperature, 1e-6),
             ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=rl.micro_rows,
           ),
           optimizer=steps.OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=0.0),
