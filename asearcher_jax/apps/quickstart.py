@@ -308,7 +308,8 @@ def quickstart(
             row_len=engine.max_seq_len,
             short_row_lens=(engine.max_seq_len // 2,) if rl.short_row_lens is None
             else tuple(rl.short_row_lens),
-            row_buckets=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), temperature=max(temperature, 1e-6),
+            row_buckets=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+            temperature=max(temperature, 1e-6),
             ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=rl.micro_rows,
           ),
           optimizer=steps.OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=0.0),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -43,6 +44,11 @@ def _rename(ids: np.ndarray, old: tuple[int, int], new: tuple[int, int]) -> np.n
   for a, b in zip(old, new, strict=True):
     out[ids == a] = b
   return out
+
+
+def _swap_name(text: str, old: str, new: str) -> str:
+  """The name as a whole word only (a name may be the prefix of another: "Lam", "Lamaex")."""
+  return re.sub(rf"\b{re.escape(old)}\b", lambda _: new, text)
 
 
 def copy_drills(
@@ -76,7 +82,7 @@ def copy_drills(
         first,
         input_ids=_rename(first.input_ids, old, new),
         output_ids=_rename(first.output_ids, old, new),
-        text=first.text.replace(q.start, name),
+        text=_swap_name(first.text, q.start, name),
       )
       drills.append(_drill(t, q, name, call, j))
   return drills
@@ -85,7 +91,7 @@ def copy_drills(
 def _drill(t: Trajectory, q: SynthQuestion, name: str, call: LLMCall, j: int) -> Trajectory:
   """An episode cut after its first turn: no finish reason (not a budget stop), not scored."""
   return Trajectory(
-    agent=t.agent, question=t.question.replace(q.start, name), qid=f"{t.qid}/drill{j}",
-    prompt_text=t.prompt_text.replace(q.start, name), calls=[call],
+    agent=t.agent, question=_swap_name(t.question, q.start, name), qid=f"{t.qid}/drill{j}",
+    prompt_text=_swap_name(t.prompt_text, q.start, name), calls=[call],
     extra={"copy_drill_of": t.qid, "start": name},
   )  # fmt: skip

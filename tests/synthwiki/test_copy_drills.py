@@ -77,3 +77,8 @@ def test_described_starts_give_no_drills(expert_run):
   described = [t for t in trajs if questions[t.qid].constraints]
   assert described  # the world injects some starts
   assert copy_drills.copy_drills(described, questions, sw.world, tok, per_trajectory=2) == []
+
+
+def test_the_text_renames_whole_names_only():
+  swapped = copy_drills._swap_name("Lamaex met Lam. Lam's aunt", "Lam", "Zed")
+  assert swapped == "Lamaex met Zed. Zed's aunt"
