@@ -45,6 +45,7 @@ from concurrent.futures import Future
 import jax
 from flax import nnx
 
+from asearcher_jax.serving import compile_clock
 from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.admission import Admission
 from asearcher_jax.serving.decode_calls import InFlight, plan_call, read_back
@@ -62,9 +63,10 @@ KV_ON_UPDATE = ("recompute", "keep")
 # The `Driver.stats()` keys that count up over a run (seconds, calls, tokens), which a trainer
 # logs every step: engine-thread time of admissions' prefills, weight updates (with their
 # re-prefills under kv_on_update="recompute") and decode steps; the part of prefill that went into
-# parked slots (suffix prefills); the prefix tokens reuse saved, and turns admitted with none.
+# parked slots (suffix prefills); the prefix tokens reuse saved, and turns admitted with none;
+# the part of those seconds spent compiling new shapes.
 CUMULATIVE_STATS = (
-  "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens", "suffix_prefill_s",
+  "compile_s", "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens", "suffix_prefill_s",
   "suffix_prefill_calls", "prefill_calls", "prefix_hits", "prefix_tokens_reused",
   "prefix_evictions", "decode_continuations",
 )  # fmt: skip
@@ -145,6 +147,7 @@ class Driver(Admission):
     self._stopping = False
     self._ids = itertools.count()
     self.metrics = collections.Counter()
+    compile_clock.install()
     self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
     self._thread.start()
 
@@ -241,6 +244,9 @@ class Driver(Admission):
       "version": self._version,
       "tokens_generated": self.metrics["tokens"],
       "decode_tokens_per_s": self.metrics["decode_tokens"] / decode_s,
+      # Engine-thread seconds spent tracing and compiling new shapes, part of prefill_s,
+      # update_s and decode_s (none once the engine is warmed up).
+      "compile_s": compile_clock.compile_seconds(self._thread.ident),
       "prefill_s": self.metrics["prefill_s"],
       # Prefill calls for admissions (fresh chunks and suffix chunks), not counting updates.
       "prefill_calls": self.metrics["prefill_calls"],

@@ -1,0 +1,67 @@
+"""The engine thread's compile seconds (`serving/compile_clock.py`): a benchmark that compiles
+lazily subtracts them from the engine's busy time, so they must count that thread's compiles,
+once each, and nothing else."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from asearcher_jax.serving import compile_clock
+from tests.serving.conftest import tiny_model
+from tests.serving.test_prefix_cache import PROMPT, gen
+
+
+def _call_twice_in_a_thread(fn, *args) -> tuple[int, float, float]:
+  """Calls fn(*args) twice on a new thread; returns the thread's ident and its compile seconds
+  after each call."""
+  out: list[float] = []
+
+  def body():
+    for _ in range(2):
+      jax.block_until_ready(fn(*args))
+      out.append(compile_clock.compile_seconds())
+    out.append(threading.get_ident())
+
+  t = threading.Thread(target=body)
+  t.start()
+  t.join(60)
+  return int(out[2]), out[0], out[1]
+
+
+def test_a_threads_compiles_count_for_it_alone_and_a_cached_call_adds_nothing():
+  compile_clock.install()
+  compile_clock.install()  # idempotent: a second listener would count every span twice
+
+  @jax.jit
+  def f(x):  # a new function: its first call traces, lowers and compiles
+    return jnp.sin(x) @ jnp.cos(x).T + jax.jit(jnp.tanh)(x)  # a jit nested in the trace
+
+  x = jax.block_until_ready(jnp.ones((16, 16)))  # may compile here, on this thread
+  mine = compile_clock.compile_seconds()
+  ident, first, second = _call_twice_in_a_thread(f, x)
+  assert first > 0
+  assert second == first  # the second call hit the cache
+  assert compile_clock.compile_seconds(ident) == first
+  assert compile_clock.compile_seconds() == mine  # this thread compiled nothing meanwhile
+
+
+def test_nested_spans_count_once():
+  assert compile_clock._union([(0.0, 2.0), (1.0, 3.0), (0.5, 1.5), (5.0, 6.0)]) == [
+    (0.0, 3.0),
+    (5.0, 6.0),
+  ]
+
+
+async def test_the_drivers_compile_seconds_are_part_of_its_busy_seconds(make_driver):
+  # A context length no other test uses: its decode state's shapes are new, so the engine compiles.
+  driver = make_driver(tiny_model(seed=11), slots=2, max_seq_len=88, prefix_reuse=False)
+  await gen(driver, PROMPT, 6)
+  s = driver.stats()
+  busy = s["prefill_s"] + s["decode_s"] + s["update_s"]
+  assert 0 < s["compile_s"] <= busy
+  await gen(driver, PROMPT, 6)  # the same shapes again: no new compile
+  assert driver.stats()["compile_s"] == s["compile_s"]
+  assert driver.stats()["decode_s"] > s["decode_s"]
