@@ -44,6 +44,15 @@ def test_benchmark_runs_both_modes_and_reports(capsys):
     assert mode["trained_tokens"] > 0 and mode["tool_calls"] > 0
     # Group latency and the staleness rule's capacity, from the trainer's per-step metrics.
     assert 0 < mode["group_s_mean"] <= mode["group_s_max"]
+  # With --no-warmup the first mode compiles inside its engine calls; busy time is net of it.
+  assert sync["engine"]["compile_s"] > 0
+  for mode in (sync, asyn):
+    e = mode["engine"]
+    net = e["busy_s_per_trained_token"] * mode["trained_tokens"]
+    assert net > 0
+    assert net == pytest.approx(
+      e["prefill_s"] + e["update_s"] + e["decode_s"] - e["compile_s"], abs=0.05
+    )
   assert last["capacity_ratio_async"] == pytest.approx(
     5 * asyn["train_s_mean"] / asyn["group_s_mean"], rel=0.02
   )
