@@ -57,9 +57,17 @@ def install() -> None:
   jax.monitoring.register_event_time_span_listener(_on_span)
 
 
+def begin_thread() -> None:
+  """Starts the calling thread's count at zero. Call it first thing in a thread whose compiles
+  are read: thread idents are reused once a thread ends, so a new thread would otherwise inherit
+  a dead one's spans."""
+  with _lock:
+    _spans.pop(threading.get_ident(), None)
+
+
 def compile_seconds(thread_ident: int | None = None) -> float:
   """Wall seconds the thread (default: the calling one) has spent tracing, lowering and
-  compiling since `install()`, overlapping spans counted once."""
+  compiling since `install()` or its `begin_thread()`, overlapping spans counted once."""
   ident = threading.get_ident() if thread_ident is None else thread_ident
   with _lock:
     spans = list(_spans.get(ident, ()))

@@ -148,8 +148,10 @@ class Driver(Admission):
     self._ids = itertools.count()
     self.metrics = collections.Counter()
     compile_clock.install()
+    self._thread_began = threading.Event()
     self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
     self._thread.start()
+    self._thread_began.wait(10.0)  # its compile count starts at zero before stats() can read it
 
   # --- public API (any thread / any event loop) -----------------------------------------------
 
@@ -288,6 +290,8 @@ class Driver(Admission):
   # --- engine thread ---------------------------------------------------------------------------
 
   def _run(self) -> None:
+    compile_clock.begin_thread()
+    self._thread_began.set()
     while not self._stopping:
       try:
         self._apply_update()
