@@ -6,11 +6,12 @@ modes train the same number of steps with the same batch (B = 4 groups of n = 4 
 the same objects -- one engine + driver, one learner (engine buckets and every learner row
 bucket compiled once up front, or on first use with `--no-warmup`: the engine's busy seconds
 exclude its compile seconds either way; weights reset to the same init before each mode) --
-through the real `Trainer`, `RolloutController`, `StalenessManager`, in-memory `ReplayQueue` (hard eta bound
-on) and in-process weight sync; no checkpoints in either mode. Synchronous mode is the same code
-path with eta = 0 and max_concurrent = B: exactly B groups per version, the trainer waits for
-all of them. Asynchronous mode: eta = 4, max_concurrent = 20 groups (80 episodes), the most the
-staleness rule ever admits ((eta + 1) x B), so that rule alone bounds what is in flight.
+through the real `Trainer`, `RolloutController`, `StalenessManager`, in-memory `ReplayQueue`
+(hard eta bound on) and in-process weight sync; no checkpoints in either mode. Synchronous
+mode is the same code path with eta = 0 and max_concurrent = B: exactly B groups per version,
+the trainer waits for all of them. Asynchronous mode: eta = 4, max_concurrent = 20 groups (80
+episodes), the most the staleness rule ever admits ((eta + 1) x B), so that rule alone bounds
+what is in flight.
 
 Workload (chosen to resemble ASearcher's training rollouts, scaled to a CPU):
   policy    a random 2-layer model (hidden 32) over a byte-level vocabulary (260 ids), sampled at

@@ -66,9 +66,9 @@ KV_ON_UPDATE = ("recompute", "keep")
 # parked slots (suffix prefills); the prefix tokens reuse saved, and turns admitted with none;
 # the part of those seconds spent compiling new shapes.
 CUMULATIVE_STATS = (
-  "compile_s", "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens", "suffix_prefill_s",
-  "suffix_prefill_calls", "prefill_calls", "prefix_hits", "prefix_tokens_reused",
-  "prefix_evictions", "decode_continuations",
+  "compile_s", "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens",
+  "suffix_prefill_s", "suffix_prefill_calls", "prefill_calls", "prefix_hits",
+  "prefix_tokens_reused", "prefix_evictions", "decode_continuations",
 )  # fmt: skip
 
 
