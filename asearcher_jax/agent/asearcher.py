@@ -42,6 +42,8 @@ class AsearcherAgentConfig:
   topk: int = 5
   # Characters of each document shown.
   doc_chars: int = 5000
+  # Sentences of each document shown after its title (a snippet: its facts need `access`); 0: all.
+  doc_sentences: int = 0
   # Characters per page chunk (one read turn each), chunks per page, page cap, stub length.
   page_chunk_chars: int = 25_000
   max_page_chunks: int = 10
@@ -70,6 +72,7 @@ class AsearcherAgentConfig:
     return ToolBoxConfig(
       topk=self.topk,
       doc_chars=self.doc_chars,
+      doc_sentences=self.doc_sentences,
       max_page_chars=self.max_page_chars,
       page_chunk_chars=self.page_chunk_chars,
       max_page_chunks=self.max_page_chunks,
@@ -167,7 +170,7 @@ class AsearcherAgent(Agent):
     tb = self.config.toolbox_config()
     if action.kind == "search":
       docs = list(result.documents) if result is not None else []
-      job = search_job(docs[: tb.topk], tb.doc_chars)
+      job = search_job(docs[: tb.topk], tb.doc_chars, tb.doc_sentences)
       if self.config.compact_search_results and docs:
         links = "\n".join(f"[Doc {k}]({d.url})" for k, d in enumerate(docs[: tb.topk], 1))
         job = ToolJob(job.text, f"<information>\n{links}\n</information>")

@@ -62,6 +62,21 @@ LONG_AGENT = AsearcherAgentConfig(
 # the compacted results, the read turn's note), rounded up.
 PROMPT_TOKENS = 256
 TOKENS_PER_TOOL_CALL = 64
+# The page-reading variant (`long_horizon_pages.gin`): search results are snippets (a page's title
+# and first sentence), so every hop is a search and then an `access` of the page that states its
+# fact, ASearcher's web agent's two calls. Results are kept in full (a snippet is ~25 tokens), and
+# pages are compacted after their read turn, so a training sequence starts once per hop as before;
+# a hop costs ~125 tokens, 15 hops (30 tool calls) ~2,100.
+PAGES_AGENT = dataclasses.replace(
+  LONG_AGENT, doc_sentences=1, compact_search_results=False, stub_chars=0
+)
+
+
+def pages_agent() -> AsearcherAgentConfig:
+  """`PAGES_AGENT`, for gin (which binds what a callable returns, not module constants)."""
+  return PAGES_AGENT
+
+
 LONG_ENGINE = EngineConfig(
   max_slots=32, max_seq_len=3072, prefill_buckets=(512, 1024, 2048, 3072), suffix_buckets=(256,)
 )
@@ -91,8 +106,16 @@ class LongWarmStart:
   # Copy drills per expert trajectory (`synthwiki.copy_drills`: its first search turn with the
   # start renamed to any entity, so held-out starts are copy targets too); 0: none.
   copy_drills: int = 0
+  # The expert opens each hop's page after finding it (`ExpertConfig.read_pages`); the agent
+  # must show snippets (`doc_sentences`) for this to be a second tool call per hop.
+  read_pages: bool = False
+  # Tool calls for one hop before the expert guesses (search, search by name, open the page).
+  max_attempts: int = 3
   # Expert and SFT seed.
   seed: int = 0
+  # Fine-tune this Hugging Face checkpoint (e.g. the shipped warm start, whose tokenizer is the
+  # world's) instead of training from scratch; None: from scratch (`sft.scratch`).
+  init_from: str | None = None
   # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
   sft: SFTStage = _QUICKSTART_SFT
   # Copy the made warm start and its card here (the default warm start's directory:
@@ -111,6 +134,8 @@ def warm_start_expert(warm: LongWarmStart) -> ExpertConfig:
     base,
     give_up_after_hops=tuple(warm.give_up_after_hops) if warm.give_up_after_hops else None,
     p_guess=warm.p_guess or base.p_guess,
+    read_pages=warm.read_pages,
+    max_attempts=warm.max_attempts,
   )
 
 
@@ -134,7 +159,9 @@ def make_warm_start(
     paths.append(str(write_copy_drills(root, sw, files, data, warm)))
   sft_commands.sft(
     trajectories=paths, out_dir=str(root / "sft"),
-    policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=warm.seed),
+    policy=PolicyConfig(
+      model_dir=warm.init_from, tokenizer_dir=str(files.tokenizer), seed=warm.seed
+    ),
     scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
     name="SynthWiki long-horizon warm start (asearcher long-horizon)",
   )  # fmt: skip
@@ -195,6 +222,11 @@ def long_horizon(
     )
   root = Path(run_dir)
   expert_stats = None
+  if warm_start_dir is None and warm.read_pages != (agent.doc_sentences > 0):
+    raise AsearcherError(
+      f"long_horizon.warm.read_pages is {warm.read_pages} but agent.doc_sentences is "
+      f"{agent.doc_sentences}: an expert opens pages exactly when search shows snippets"
+    )
   if warm_start_dir is None:
     model_dir, expert_stats, files = make_warm_start(root / "warm_start", world, warm, agent)
     warm_start_dir = str(model_dir)
@@ -213,7 +245,9 @@ def long_horizon(
     run_dir=str(root), warm_start_dir=warm_start_dir, world=world, temperature=temperature,
     evaluation=evaluation, rl=rl, agent=agent, engine=engine,
   )  # fmt: skip
-  summary = lh_report.build(root, long_hops=long_hops)
+  summary = lh_report.build(
+    root, long_hops=long_hops, per_hop=lh_report.calls_per_hop(agent.doc_sentences)
+  )
   summary.update(
     warm_start_dir=warm_start_dir, warm_start_expert=expert_stats,
     agent_max_turns=agent.max_turns, agent_max_tokens=agent.max_tokens,

@@ -80,7 +80,9 @@ def evaluate_card(
     "avg_em": sampled["avg_em"], "pass_em": sampled["pass_em"], "k": sampled["k"],
     "tool_calls": sampled["tool_calls"], "questions": sampled["n"], "temperature": temperature,
     "long_hops": long_hops,
-    "long": lh_report.long_stats(rows, hops, long_hops),
+    "long": lh_report.long_stats(
+      rows, hops, long_hops, per_hop=lh_report.calls_per_hop(agent.doc_sentences)
+    ),
     "by_hops": lh_report.by_hops(rows, hops),
     "chain_breaks": lh_report.breaks_of(root / "eval", "sft:", questions),
     "eval_seconds": round(time.time() - t0, 1),

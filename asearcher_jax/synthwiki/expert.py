@@ -43,6 +43,8 @@ PLAN = "I need {what}."
 FOUND = "{s} is the {noun} in question."
 MISSING = "{s} is not in these results."
 NO_MATCH = "No {noun} here matches."
+# A tool call and the result it got, as the context holds them.
+_CALL_RE = re.compile(r"<(search|access)>\s*(.*?)\s*</\1>\s*<information>(.*?)</information>", re.S)
 _FOUND_RE = re.compile(r"(?<![A-Za-z])(?P<s>[A-Z][a-z]+) is the (?P<noun>[a-z]+) in question\.")
 # The agent's budgets the quickstart uses: short turns, small context, 3 documents per search.
 COMPACT_AGENT = AsearcherAgentConfig(
@@ -70,6 +72,10 @@ class ExpertConfig:
   # instead of searching on; drawn per episode uniformly from [lo, hi] (the episode's sampling
   # seed and question pick it). Chains of at most that many hops are played out. None: never.
   give_up_after_hops: tuple[int, int] | None = None
+  # Search results are snippets (the agent's `doc_sentences`: a page's title and first sentence),
+  # so a hop is a search, then an `access` of the subject's page found in them, then the note;
+  # a described start opens the results' pages of its kind until one matches.
+  read_pages: bool = False
 
   def __post_init__(self) -> None:
     for name in ("p_guess", "p_sloppy_query", "p_skip_search", "p_misread"):
@@ -253,7 +259,26 @@ class SynthWikiExpert:
     attempts = tail.count("<search>") + tail.count("<access>")
     if attempts >= self.config.max_attempts:
       return f"{head}<answer> {self._guess(v, rng)} </answer>"
+    if self.config.read_pages:
+      page = self.page_to_open(v, need, last)
+      if page is not None:
+        return f"{head}<access> {URL_PREFIX}{page} </access>"
     return head + self._action(v.question, need, attempts, rng)
+
+  def page_to_open(self, v: _View, need, last: int) -> str | None:
+    """With `read_pages`: the page (a name) the latest search since the last note points to
+    for `need` and that was not opened since; None: search instead."""
+    calls = _CALL_RE.findall(v.gen[last:])
+    searches = [info for tool, _, info in calls if tool == "search"]
+    if not searches or need[0] == "answer":
+      return None
+    opened = {arg.removeprefix(URL_PREFIX) for tool, arg, _ in calls if tool == "access"}
+    titles = [t for t in _titles(searches[-1]) if t not in opened]
+    if need[0] == "find":
+      return need[1] if need[1] in titles else None
+    kinds = {f.subject: f.value for f in parse_facts(searches[-1]) if f.relation == "kind"}
+    fits = [t for t in titles if _noun_fits(v.question.noun, kinds.get(t, ""))]
+    return fits[0] if fits else None
 
   def patience(self, q: SynthQuestion, episode_seed: int | None) -> int | None:
     """Hops after which this episode gives up (`give_up_after_hops`); None: plays it out."""
@@ -320,7 +345,10 @@ class SynthWikiExpert:
       if need[0] == "identify":
         name = self._identify(q, docs)
         if name is None:
-          out.append(NO_MATCH.format(noun=q.noun))
+          pages = self.config.read_pages and self._latest_is_search(v)
+          out.append(
+            PLAN.format(what=f"the {q.noun} first") if pages else NO_MATCH.format(noun=q.noun)
+          )
           break
         known[("?", q.noun)] = name
         out.append(FOUND.format(s=name, noun=q.noun))
@@ -333,7 +361,11 @@ class SynthWikiExpert:
           value = self._wrong(rel, None, docs, rng)  # "knows" it without searching: made up
         else:
           if not found_any:
-            out.append(MISSING.format(s=subject))
+            pages = self.config.read_pages and self._latest_is_search(v)
+            on_page = pages and subject in _titles(_CALL_RE.findall(v.gen)[-1][2])
+            out.append(
+              PLAN.format(what=f"facts about {subject}") if on_page else MISSING.format(s=subject)
+            )
           break
       elif rng.random() < self.config.p_misread:
         value = self._wrong(rel, value, docs, rng)
@@ -341,6 +373,11 @@ class SynthWikiExpert:
       out.append(RELATIONS[rel].sentence.format(s=subject, o=value))
       found_any = True
     return " ".join(out)
+
+  @staticmethod
+  def _latest_is_search(v: _View) -> bool:
+    calls = _CALL_RE.findall(v.gen)
+    return bool(calls) and calls[-1][0] == "search"
 
   def _identify(self, q: SynthQuestion, docs: dict[tuple[str, str], str]) -> str | None:
     subjects = sorted({s for (s, r) in docs if r == "kind" and _noun_fits(q.noun, docs[(s, r)])})
@@ -369,6 +406,11 @@ class SynthWikiExpert:
     if q.kind == "comparison":
       return rng.choice(q.compare[:2])
     return self._wrong(q.relations[-1], None, docs, rng)
+
+
+def _titles(results: str) -> list[str]:
+  """Names of the pages a search result links to, in rank order."""
+  return re.findall(r"\]\(" + re.escape(URL_PREFIX) + r"([A-Z][a-z]+)\)", results)
 
 
 def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -51,6 +52,9 @@ class ToolBoxConfig:
   topk: int = 5
   # Characters of each document shown.
   doc_chars: int = 5000
+  # Sentences of each document shown after its first line (its title), a search engine's snippet
+  # that leaves the rest of the page to `access`; 0: the whole document (up to doc_chars).
+  doc_sentences: int = 0
   # Characters of a page kept before chunking.
   max_page_chars: int = 250_000
   # Characters per page chunk (one read turn each).
@@ -111,13 +115,28 @@ class ToolResult:
     return "\n\n".join(job.text for job in self.jobs)
 
 
-def search_job(docs: list[Document], doc_chars: int) -> ToolJob:
-  """ASearcher's rendering: `[Doc k](url):` + the first `doc_chars` characters, one block."""
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def snippet(contents: str, sentences: int) -> str:
+  """The first line (a wiki-18 title) and the first `sentences` sentences after it."""
+  title, _, text = contents.partition("\n")
+  if not text:
+    return contents
+  return title + "\n" + " ".join(_SENTENCE_END.split(text.strip(), maxsplit=sentences)[:sentences])
+
+
+def search_job(docs: list[Document], doc_chars: int, doc_sentences: int = 0) -> ToolJob:
+  """ASearcher's rendering: `[Doc k](url):` + the first `doc_chars` characters, one block
+  (with `doc_sentences`, only the title and that many sentences: a snippet)."""
   if not docs:
     return ToolJob(NO_RESULTS, NO_RESULTS)
-  body = "\n\n".join(
-    f"[Doc {k}]({d.url}):\n{d.contents[:doc_chars]}" for k, d in enumerate(docs, 1)
-  )
+
+  def shown(d: Document) -> str:
+    text = snippet(d.contents, doc_sentences) if doc_sentences else d.contents
+    return text[:doc_chars]
+
+  body = "\n\n".join(f"[Doc {k}]({d.url}):\n{shown(d)}" for k, d in enumerate(docs, 1))
   text = f"<information>\n{body}\n</information>"
   return ToolJob(text, text)  # search results are never compacted
 
@@ -255,7 +274,9 @@ class ToolBox:
     page = None
     if call.name == "search":
       documents = tuple(Document.from_json(d) for d in value or [])
-      jobs: tuple[ToolJob, ...] = (search_job(list(documents), self.config.doc_chars),)
+      jobs: tuple[ToolJob, ...] = (
+        search_job(list(documents), self.config.doc_chars, self.config.doc_sentences),
+      )
       found = bool(documents)
     elif call.name == "access":
       page = value if isinstance(value, str) and value else None

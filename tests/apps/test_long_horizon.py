@@ -21,10 +21,12 @@ from asearcher_jax.errors import AsearcherError
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki import chain_breaks
-from asearcher_jax.synthwiki.expert import ExpertConfig
+from asearcher_jax.synthwiki.expert import ExpertConfig, read_trajectories
 from asearcher_jax.synthwiki.questions import chain_entities, hop_leaks, mentions
-from asearcher_jax.synthwiki.wiki import SynthWikiConfig, build_synthwiki
+from asearcher_jax.synthwiki.wiki import URL_PREFIX, SynthWikiConfig, build_synthwiki, parse_facts
 from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.tools.search import Document
+from asearcher_jax.tools.toolbox import search_job
 
 # ~50 entities, 8 chains per hop count from 4 to 8.
 TINY_LONG = SynthWikiConfig(
@@ -86,6 +88,55 @@ def test_perfect_expert_searches_once_per_hop_and_the_warm_start_expert_gives_up
     assert calls(t) <= 3 + 2, q.id  # gave up after at most 3 hops (+ retries)
     assert t.pred_answer is not None and t.finish_reason == "answer"
   assert sum(t.score for t in hasty) <= 0.3 * len(qs_)
+
+
+def test_snippets_state_no_fact_so_every_hop_needs_its_page():
+  sw = build_synthwiki(TINY_LONG)
+  docs = [Document(url=r["url"], contents=r["contents"]) for r in sw.world.corpus_rows()]
+  full = parse_facts(search_job(docs, 5000).text)
+  shown = parse_facts(search_job(docs, 5000, doc_sentences=1).text)
+  assert {f.relation for f in shown} == {"kind"}  # the title and the intro sentence only
+  assert len(shown) == len(docs) and len(full) > 3 * len(docs)
+  assert {f.subject for f in shown} == {e.name for e in sw.world.entities.values()}
+
+
+def test_page_reading_expert_searches_then_opens_the_page_for_every_hop(tmp_path):
+  sw, files = prepare_world(tmp_path / "world", TINY_LONG)
+  tok = Tokenizer.from_dir(files.tokenizer)
+  qs_ = sw.questions
+
+  def play(expert):
+    with RetrievalThread(files.index) as server:
+      return asyncio.run(generate_expert_trajectories(
+        sw.world, qs_, tokenizer=tok, retrieval_address=server.address, expert=expert,
+        agent_config=lh.PAGES_AGENT, concurrency=8,
+      ))  # fmt: skip
+
+  perfect = play(lh.warm_start_expert(lh.LongWarmStart(
+    give_up_after_hops=None, read_pages=True, max_attempts=4)))  # fmt: skip
+  assert sum(t.score for t in perfect) >= 0.9 * len(qs_)
+  two_per_hop = 0
+  for q, t in zip(qs_, perfect):
+    calls = [(e.name, e.argument, e.text) for e in t.tools]
+    two_per_hop += t.stats()["num_search"] >= q.hops and t.stats()["num_access"] >= q.hops
+    for i, (name, arg, _) in enumerate(calls):
+      if name == "access":  # always a page the latest search listed (candidates: in turn)
+        searches = [text for n, _, text in calls[:i] if n == "search"]
+        assert searches and f"({arg})" in searches[-1] and arg.startswith(URL_PREFIX), q.id
+  assert two_per_hop >= 0.9 * len(qs_)  # BM25 may list a later page of the chain by chance
+  assert max(t.stats()["max_input_tokens"] for t in perfect) < lh.PAGES_AGENT.max_tokens / 2
+  # The expert that does not open pages reads nothing from snippets: it falls back to opening
+  # the page by name after two searches, three calls a hop.
+  blind = play(ExpertConfig(max_attempts=4))
+  assert all(t.stats()["num_search"] >= 2 * t.stats()["num_access"] for t in blind if t.score)
+
+
+def test_the_page_reading_warm_start_needs_the_snippet_agent():
+  with pytest.raises(AsearcherError, match=r"read_pages is True but agent\.doc_sentences is 0"):
+    lh.long_horizon(warm_start_dir=None, warm=lh.LongWarmStart(read_pages=True),
+                    run_dir="/nonexistent/never-written")  # fmt: skip
+  with pytest.raises(AsearcherError, match=r"read_pages is False but agent\.doc_sentences is 1"):
+    lh.long_horizon(warm_start_dir=None, agent=lh.PAGES_AGENT, run_dir="/nonexistent/x")
 
 
 def test_the_warm_start_expert_gives_up_by_range_or_by_chance():
@@ -186,6 +237,23 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert set(s["bars"]) >= {"tool_calls_rl_long>=10", "avg4_long_gain>=10pt"}
   assert s["warm_start_expert"]["trajectories"] > 0
   assert (run_dir / "report" / "long_horizon.md").read_text().startswith("# Long-horizon")
+  # A page-reading warm start fine-tuned from the shipped one (`init_from`): snippets in the
+  # search results, the expert opens a page after its searches, SFT starts from those weights.
+  pages = dataclasses.replace(
+    stop, read_pages=True, max_attempts=4, init_from=str(shipped), ship_to=None, copy_drills=0
+  )
+  agent = dataclasses.replace(common["agent"], doc_sentences=1, compact_search_results=False)
+  pages_dir = tmp_path / "pages"
+  assert (
+    lh.long_horizon(**{**common, "run_dir": str(pages_dir), "warm": pages, "agent": agent}) == 0
+  )
+  sft_summary = json.loads((pages_dir / "warm_start" / "sft" / "sft_summary.json").read_text())
+  assert sft_summary["init"] == str(shipped)
+  trajs = read_trajectories(pages_dir / "warm_start" / "expert_trajectories.jsonl")
+  opened = [e for t in trajs for e in t.tools if e.name == "access"]
+  assert opened and all(e.argument.startswith(URL_PREFIX) for e in opened)
+  pages_card = json.loads((pages_dir / "warm_start" / "warm_start.json").read_text())
+  assert sum(v["samples"] for v in pages_card["by_hops"].values()) == 4 * 2
 
 
 def test_limit_counters_add_up_over_the_lives_of_a_resumed_run():

@@ -22,6 +22,7 @@ from asearcher_jax.tools.toolbox import (
   make_toolbox,
   page_jobs,
   search_job,
+  snippet,
 )
 
 FAST_RETRY = RetryConfig(timeout_s=2.0, max_attempts=4, backoff_s=0.01, max_backoff_s=0.05)
@@ -40,6 +41,26 @@ def test_search_text_is_asearchers_format() -> None:
     == NO_RESULTS
     == ("<information>\nNo search results are found.\n</information>")
   )
+
+
+def test_snippets_show_the_title_and_the_first_sentences() -> None:
+  page = '"Gazor"\nGazor is a guild. Gazor is led by Mirat. Gazor was founded in 1820!  Tail?'
+  assert snippet(page, 1) == '"Gazor"\nGazor is a guild.'
+  assert (
+    snippet(page, 3)
+    == '"Gazor"\nGazor is a guild. Gazor is led by Mirat. Gazor was founded in 1820!'
+  )
+  assert (
+    snippet(page, 9)
+    == '"Gazor"\nGazor is a guild. Gazor is led by Mirat. Gazor was founded in 1820! Tail?'
+  )
+  assert snippet("no title line. Two sentences.", 1) == "no title line. Two sentences."
+  docs = [Document(contents=page, url="u1")]
+  assert search_job(docs, 5000, doc_sentences=1).text == (
+    '<information>\n[Doc 1](u1):\n"Gazor"\nGazor is a guild.\n</information>'
+  )
+  assert search_job(docs, 12, doc_sentences=1).text.endswith('"Gazor"\nGazo\n</information>')
+  assert "Mirat" in search_job(docs, 5000).text  # 0: the whole document
 
 
 def test_pages_are_chunked_as_the_agent_expects() -> None:
