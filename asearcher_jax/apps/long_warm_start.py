@@ -70,8 +70,10 @@ def evaluate_card(
       "give_up_after_hops": list(warm.give_up_after_hops) if warm.give_up_after_hops else None,
       "p_guess": warm.p_guess, "imperfection": warm.imperfection,
       "samples_per_question": warm.samples_per_question, "copy_drills": warm.copy_drills,
+      "read_pages": warm.read_pages,
       **expert_stats,
     },
+    "init_from": warm.init_from,
     "data_sha256": sft_summary["data"]["data_sha256"],
     "data_files": {Path(f).name: h for f, h in sft_summary["data"]["files"].items()},
     "sft_steps": sft_summary["step"],
@@ -101,7 +103,8 @@ def _give_up(expert: dict[str, Any]) -> str:
     lo, hi = expert["give_up_after_hops"]
     parts.append(f"gives up after {lo}-{hi} hops")
   if expert.get("p_guess"):
-    parts.append(f"gives up at each search turn with probability {expert['p_guess']}")
+    turn = "act" if expert.get("read_pages") else "search"
+    parts.append(f"gives up at each {turn} turn with probability {expert['p_guess']}")
   return " or ".join(parts) or "sometimes gives up"
 
 
@@ -115,9 +118,12 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
   )
   lines = [
     "# SynthWiki long-horizon warm start", "",
-    "A tiny Qwen2-architecture policy trained from scratch by supervised fine-tuning on a scripted "
-    f"expert that searches correctly, one search per hop, but {_give_up(e)} and answers with a "
-    "guess; "
+    "A tiny Qwen2-architecture policy trained "
+    + (f"from `{card['init_from']}`" if card.get("init_from") else "from scratch")
+    + " by supervised fine-tuning on a scripted expert that searches correctly, "
+    + ("a search and then the page it found per hop (search results are snippets)"
+       if e.get("read_pages") else "one search per hop")
+    + f", but {_give_up(e)} and answers with a guess; "
     "the starting point of `asearcher long-horizon`, whose RL should teach it to keep searching.",
     "", "## Reproduce", "", "```", card["command"], "```", "",
     f"World: SynthWiki seed {card['world']['seed']} (4-12-hop chains, hops isolated), digest "

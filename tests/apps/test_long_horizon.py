@@ -254,6 +254,9 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert opened and all(e.argument.startswith(URL_PREFIX) for e in opened)
   pages_card = json.loads((pages_dir / "warm_start" / "warm_start.json").read_text())
   assert sum(v["samples"] for v in pages_card["by_hops"].values()) == 4 * 2
+  assert pages_card["init_from"] == str(shipped) and pages_card["expert"]["read_pages"]
+  pages_md = (pages_dir / "warm_start" / "model_card.md").read_text()
+  assert f"from `{shipped}`" in pages_md and "the page it found per hop" in pages_md
 
 
 def test_limit_counters_add_up_over_the_lives_of_a_resumed_run():
