@@ -79,6 +79,10 @@ QUICKSTART_ENGINE = EngineConfig(
   suffix_buckets=(16, 256),
   decode_rows=(8, 16, 32),
 )
+# Rows a learner minibatch may be packed into (each bucket one compiled shape, compiled when first
+# used). Up to 512: a long-horizon batch of 16 episodes needs one training sequence per compaction
+# (78 rows on 2026-11-26, the crash that added 96-256); with pages, a sequence per page opened.
+LEARNER_ROW_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 def _sha256(path: Path) -> str:
@@ -302,13 +306,12 @@ def quickstart(
           # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
           # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
           # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
-          # Up to 256 rows: a long-horizon batch of 16 episodes whose search results are compacted
-          # (each compaction starts a new training sequence) needed 78 (2026-11-26).
+          # LEARNER_ROW_BUCKETS: a long-horizon batch needs far more rows than the quickstart's.
           ppo=PPOConfig(
             row_len=engine.max_seq_len,
             short_row_lens=(engine.max_seq_len // 2,) if rl.short_row_lens is None
             else tuple(rl.short_row_lens),
-            row_buckets=(4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+            row_buckets=LEARNER_ROW_BUCKETS,
             temperature=max(temperature, 1e-6),
             ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=rl.micro_rows,
           ),

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asearcher_jax.apps.quickstart import LEARNER_ROW_BUCKETS
 from asearcher_jax.model.packing import (
   balanced_partition,
   bucket_rows,
@@ -113,3 +114,20 @@ def test_balanced_partition_is_a_partition_with_lpt_bound(weights, parts):
   loads = [sum(weights[i] for i in p) for p in out]
   if weights:
     assert max(loads) <= sum(weights) / parts + max(weights)
+
+
+def test_a_long_horizon_batch_packs_into_the_quickstarts_buckets():
+  # 16 episodes of a long chain: each compaction starts a training sequence holding the whole
+  # context so far, ~18 sequences of 300-2,100 tokens an episode, in rows of 3,072 tokens (the
+  # crash of 2026-11-26 was a batch that needed 78 rows when the buckets stopped at 64).
+  rng = np.random.default_rng(0)
+  lengths = [int(x) for x in rng.integers(300, 2100, size=16 * 18)]
+  group_of = [i // (8 * 18) for i in range(len(lengths))]
+  seqs = [{"tokens": np.arange(n) % 97 + 1} for n in lengths]
+  batch, placement = pack_groups(seqs, group_of, 3072, row_buckets=LEARNER_ROW_BUCKETS)
+  rows = batch["tokens"].shape[0]
+  assert rows in LEARNER_ROW_BUCKETS and rows > 64
+  assert len(placement) == len(seqs)
+  assert np.count_nonzero(batch["tokens"]) == sum(lengths)
+  with pytest.raises(ValueError, match="largest bucket is 512"):
+    pack_groups(seqs * 6, group_of * 6, 3072, row_buckets=LEARNER_ROW_BUCKETS)
