@@ -61,17 +61,27 @@ def test_hop_leaks_flags_a_back_link():
   assert any(hop_leaks(unisolated.world, x) for x in unisolated.questions)  # the rule bites
 
 
-def test_perfect_expert_searches_once_per_hop_and_the_warm_start_expert_gives_up(tmp_path):
-  sw, files = prepare_world(tmp_path / "world", TINY_LONG)
-  tok = Tokenizer.from_dir(files.tokenizer)
-  qs_ = sw.questions
+@pytest.fixture(scope="module")
+def tiny_world(tmp_path_factory):
+  """TINY_LONG's world files (BM25 index, tokenizer), made once for the expert tests."""
+  return prepare_world(tmp_path_factory.mktemp("tiny_long") / "world", TINY_LONG)
+
+
+def _play(tiny_world, expert, agent):
+  """Every question of the tiny world played by the scripted `expert` over the real BM25 server."""
+  sw, files = tiny_world
+  with RetrievalThread(files.index) as server:
+    return asyncio.run(generate_expert_trajectories(
+      sw.world, sw.questions, tokenizer=Tokenizer.from_dir(files.tokenizer),
+      retrieval_address=server.address, expert=expert, agent_config=agent, concurrency=8,
+    ))  # fmt: skip
+
+
+def test_perfect_expert_searches_once_per_hop_and_the_warm_start_expert_gives_up(tiny_world):
+  qs_ = tiny_world[0].questions
 
   def play(expert):
-    with RetrievalThread(files.index) as server:
-      return asyncio.run(generate_expert_trajectories(
-        sw.world, qs_, tokenizer=tok, retrieval_address=server.address, expert=expert,
-        agent_config=lh.LONG_AGENT, concurrency=8,
-      ))  # fmt: skip
+    return _play(tiny_world, expert, lh.LONG_AGENT)
 
   def calls(t):
     return t.stats()["num_search"] + t.stats()["num_access"]
@@ -100,17 +110,11 @@ def test_snippets_state_no_fact_so_every_hop_needs_its_page():
   assert {f.subject for f in shown} == {e.name for e in sw.world.entities.values()}
 
 
-def test_page_reading_expert_searches_then_opens_the_page_for_every_hop(tmp_path):
-  sw, files = prepare_world(tmp_path / "world", TINY_LONG)
-  tok = Tokenizer.from_dir(files.tokenizer)
-  qs_ = sw.questions
+def test_page_reading_expert_searches_then_opens_the_page_for_every_hop(tiny_world):
+  qs_ = tiny_world[0].questions
 
   def play(expert):
-    with RetrievalThread(files.index) as server:
-      return asyncio.run(generate_expert_trajectories(
-        sw.world, qs_, tokenizer=tok, retrieval_address=server.address, expert=expert,
-        agent_config=lh.PAGES_AGENT, concurrency=8,
-      ))  # fmt: skip
+    return _play(tiny_world, expert, lh.PAGES_AGENT)
 
   perfect = play(lh.warm_start_expert(lh.LongWarmStart(
     give_up_after_hops=None, read_pages=True, max_attempts=4)))  # fmt: skip
