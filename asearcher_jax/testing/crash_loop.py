@@ -11,6 +11,7 @@ resumed episode must replay all of its recorded calls instead of generating them
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -80,6 +81,12 @@ class CrashLoopConfig:
   journal_patience: a "journal" kill settles for any new checkpoint once the life has written
     this many without finished calls in flight. Counted in checkpoints, not seconds: on busy
     CI cores a life can take minutes to reach its first checkpoint.
+  min_replay_lives: after `kills`, keep killing ("journal" kills) until this many lives have
+    replayed calls from their journals, at most `max_extra_kills` more times. Whether a
+    checkpoint holds finished calls is timing: when generation outpaces training (a CPU, busy
+    cores) most checkpoints find only the group admitted as the step ended, and a journal kill
+    falls back to any checkpoint after `journal_patience` of them.
+  max_extra_kills: see min_replay_lives.
   final_steps: steps the last life trains past the version it resumes at.
   life_timeout_s: a life that neither checkpoints nor exits within this is a hang (an error).
   """
@@ -91,6 +98,8 @@ class CrashLoopConfig:
   journal_frac: float = 0.4
   late_delay_s: float = 4.0
   journal_patience: int = 30
+  min_replay_lives: int = 0
+  max_extra_kills: int = 8
   final_steps: int = 2
   life_timeout_s: float = 600.0
 
@@ -140,14 +149,19 @@ def _checkpoints(run_dir: Path) -> set[int]:
 def run_lives(
   cmd: list[str], run_dir: Path, config: CrashLoopConfig, *, env: dict[str, str], cwd: Path
 ) -> list[Life]:
-  """Kills `cmd` `config.kills` times, then lets one more life finish `final_steps` steps past
-  where it resumes (`--gin_param` overrides train_steps). Raises on a hang or a failed life."""
+  """Kills `cmd` `config.kills` times (plus the extra journal kills of `min_replay_lives`), then
+  lets one more life finish `final_steps` steps past where it resumes (`--gin_param` overrides
+  train_steps). Raises on a hang or a failed life."""
   rng = random.Random(config.seed)
   lives: list[Life] = []
   logs = run_dir.parent / f"{run_dir.name}-logs"
   logs.mkdir(parents=True, exist_ok=True)
-  for n in range(config.kills + 1):
-    final = n == config.kills
+  for n in itertools.count():
+    extra = n >= config.kills
+    final = extra and (
+      replay_lives(run_dir, lives) >= config.min_replay_lives
+      or n >= config.kills + config.max_extra_kills
+    )
     step, saved = latest_saved_calls(run_dir)
     args = list(cmd)
     if final:
@@ -159,7 +173,7 @@ def run_lives(
     with open(log_path, "wb") as out:
       proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
       try:
-        kind = "final" if final else _draw_kind(rng, config)
+        kind = "final" if final else "journal" if extra else _draw_kind(rng, config)
         if final:
           proc.wait(config.life_timeout_s)
         elif kind == "early":
@@ -195,7 +209,16 @@ def run_lives(
         log=str(log_path),
       )
     )
-  return lives
+    if final:
+      return lives
+  raise AssertionError("unreachable")
+
+
+def replay_lives(run_dir: Path, lives: list[Life]) -> int:
+  """How many of `lives` replayed at least one recorded call (from the run's resume log)."""
+  pids = {life.pid for life in lives}
+  records = read_resume_log(run_dir / RESUME_LOG)
+  return len({r["pid"] for r in records if r["pid"] in pids and r["replayed_calls"]})
 
 
 def _draw_kind(rng: random.Random, config: CrashLoopConfig) -> str:

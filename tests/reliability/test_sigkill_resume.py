@@ -1,5 +1,8 @@
 """`asearcher train` SIGKILLed at >= 10 random points in one run directory, then run to the end.
 
+Whether a checkpoint holds finished calls is timing (generation outpaces training on a CPU), so
+the crash loop adds journal kills until two lives have replayed some (CI of 609ed62 had 1 in 10).
+
 Shown, from the run directory alone: episodes in flight at a kill continue from their journals
 in the next life (each resumed episode replays every generate call its checkpoint recorded, so
 none is generated again; counted), no group is lost or trained twice, and no trained token is
@@ -41,11 +44,12 @@ def test_ten_sigkills_resume_from_journals(tmp_path, byte_tok_dir, shipped_index
   lives = run_lives(
     train_command(gin),
     run_dir,
-    CrashLoopConfig(kills=KILLS, seed=7),
+    # Journal kills go on past KILLS until two lives have replayed calls (at most 8 more).
+    CrashLoopConfig(kills=KILLS, seed=7, min_replay_lives=2),
     env=cpu_env(tmp_path / "jax-cache"),
     cwd=REPO,
   )
-  assert sum(life.killed for life in lives) == KILLS
+  assert sum(life.killed for life in lives) >= KILLS
   for before, life in itertools.pairwise(lives):  # each life resumed where the last one left off
     assert life.restored is None or life.restored >= (before.restored or 0)
   ev = resume_evidence(run_dir, lives)
