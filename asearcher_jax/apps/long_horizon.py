@@ -123,6 +123,9 @@ class LongWarmStart:
   ship_to: str | None = None
   # Stop after the warm start's held-out evaluation and card (no RL).
   stop_after_card: bool = False
+  # Stop as soon as the SFT has written its model, before the evaluation: for an accelerator
+  # lease, whose SFT checkpoint is brought back and evaluated here by re-running without it.
+  stop_after_sft: bool = False
   # The gin file that makes this warm start: the card's "Reproduce" command names it.
   recipe: str = "gin/experiments/long_horizon_warm_start.gin"
 
@@ -229,6 +232,9 @@ def long_horizon(
     )
   if warm_start_dir is None:
     model_dir, expert_stats, files = make_warm_start(root / "warm_start", world, warm, agent)
+    if warm.stop_after_sft:
+      print(json.dumps({"warm_start_model": str(model_dir), "expert": expert_stats}), flush=True)
+      return 0
     warm_start_dir = str(model_dir)
     card = long_warm_start.evaluate_card(
       root, model_dir, files, world=world, warm=warm, expert_stats=expert_stats,

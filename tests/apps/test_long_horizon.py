@@ -248,9 +248,16 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   )
   agent = dataclasses.replace(common["agent"], doc_sentences=1, compact_search_results=False)
   pages_dir = tmp_path / "pages"
+  # As on an accelerator lease: stop once the SFT has written its model, no evaluation, no card.
+  pages_run = {**common, "run_dir": str(pages_dir), "agent": agent}
   assert (
-    lh.long_horizon(**{**common, "run_dir": str(pages_dir), "warm": pages, "agent": agent}) == 0
+    lh.long_horizon(**{**pages_run, "warm": dataclasses.replace(pages, stop_after_sft=True)}) == 0
   )
+  assert (pages_dir / "warm_start" / "sft" / "model" / "model.safetensors").exists()
+  assert not (pages_dir / "eval").exists()
+  assert not (pages_dir / "warm_start" / "warm_start.json").exists()
+  # Re-run without it: the SFT resumes at its last step (nothing trained again), then the card.
+  assert lh.long_horizon(**{**pages_run, "warm": pages}) == 0
   sft_summary = json.loads((pages_dir / "warm_start" / "sft" / "sft_summary.json").read_text())
   assert sft_summary["init"] == str(shipped)
   trajs = read_trajectories(pages_dir / "warm_start" / "expert_trajectories.jsonl")
@@ -259,6 +266,7 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   pages_card = json.loads((pages_dir / "warm_start" / "warm_start.json").read_text())
   assert sum(v["samples"] for v in pages_card["by_hops"].values()) == 4 * 2
   assert pages_card["init_from"] == str(shipped) and pages_card["expert"]["read_pages"]
+  assert pages_card["sft_start_step"] == sft_cfg.steps
   pages_md = (pages_dir / "warm_start" / "model_card.md").read_text()
   assert f"from `{shipped}`" in pages_md and "the page it found per hop" in pages_md
 
