@@ -34,7 +34,9 @@ case "$cmd" in
     "$VENV/bin/lint-imports"
     # Two workers (pytest-xdist): most end-to-end tests wait on their own subprocesses and
     # servers, so two at once fit on two cores. ASEARCHER_TEST_WORKERS=0 runs in one process.
-    exec "$VENV/bin/python" -m pytest -q -n "${ASEARCHER_TEST_WORKERS:-2}" --dist loadgroup "$@"
+    # The 15 slowest tests are listed at the end: the suite's 20-minute budget is watched per test.
+    exec "$VENV/bin/python" -m pytest -q -n "${ASEARCHER_TEST_WORKERS:-2}" --dist loadgroup \
+      --durations=15 "$@"
     ;;
   *)
     exec "$VENV/bin/asearcher" "$cmd" "$@"
