@@ -71,6 +71,45 @@ def test_drills_rename_the_start_in_the_first_turn_only(expert_run):
   assert [d.extra["start"] for d in other] != [d.extra["start"] for d in drills]
 
 
+@pytest.fixture(scope="module")
+def page_expert_run(tmp_path_factory):
+  sw, files = prepare_world(tmp_path_factory.mktemp("page_drills") / "world", TINY_LONG)
+  tok = Tokenizer.from_dir(files.tokenizer)
+  expert = ExpertConfig(give_up_after_hops=(2, 3), read_pages=True, max_attempts=4)
+  with RetrievalThread(files.index) as server:
+    trajs = asyncio.run(generate_expert_trajectories(
+      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address, expert=expert,
+      agent_config=lh.PAGES_AGENT, concurrency=8,
+    ))  # fmt: skip
+  return sw, tok, trajs
+
+
+def test_page_drills_go_on_through_the_access_of_the_renamed_page(page_expert_run):
+  sw, tok, trajs = page_expert_run
+  questions = {q.id: q for q in sw.train}
+  names = copy_drills.single_token_names(sw.world, tok)
+  drills = copy_drills.copy_drills(trajs, questions, sw.world, tok, per_trajectory=2, seed=0)
+  paged = [d for d in drills if len(d.calls) == 3]
+  assert paged and len(paged) > 0.8 * len(drills)
+  for d in paged:
+    src = questions[d.extra["copy_drill_of"]]
+    new, old = names[d.extra["start"]], names[src.start]
+    act, read, access = d.calls
+    assert (act.kind, read.kind, access.kind) == ("act", "read", "act") and not d.tools
+    # The access opens the drilled entity's page: its URL holds the bare-name token.
+    text = tok.decode(access.output_ids.tolist())
+    assert "<access>" in text and text.rstrip().endswith("</access>")
+    assert f"/{d.extra['start']} " in text and np.isin(access.output_ids, new[1]).any()
+    if new != old:  # nothing of the old start is left, in any turn's input or output
+      for c in d.calls:
+        assert not np.isin(c.input_ids, old).any() and not np.isin(c.output_ids, old).any()
+  # One training sequence per drill, its loss on the three turns' outputs.
+  per, stats = sft_data.to_sequences(paged, row_len=1024)
+  assert stats.sequences == len(paged)
+  for d, (seq,) in zip(paged, per, strict=True):
+    assert seq["loss_mask"].sum() == sum(c.output_ids.size for c in d.calls)
+
+
 def test_described_starts_give_no_drills(expert_run):
   sw, tok, trajs = expert_run
   questions = {q.id: q for q in sw.train}
