@@ -227,7 +227,10 @@ class ToolBox:
       request = {"query": normalize_query(call.argument), "topk": self.config.topk}
       provider, valid = self.search_provider, bool(request["query"])
     elif call.name == "access":
-      request = {"url": normalize_url(call.argument)}
+      try:
+        request = {"url": normalize_url(call.argument)}
+      except ValueError as e:  # not a URL the parser takes (an unbalanced "[" reads as IPv6)
+        return self.access_provider, {}, f"malformed access URL: {e}"
       provider, valid = self.access_provider, bool(call.argument.strip())
     else:
       return None, {}, f"unknown tool {call.name[:50]!r}"

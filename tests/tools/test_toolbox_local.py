@@ -106,13 +106,17 @@ async def test_local_search_and_access_through_address_discovery(retrieval_serve
       box.execute(ToolCall("access", "https://en.wikipedia.org/wiki/No_Such_Page_Xyz")), 20
     )
     assert nowhere.text == NO_PAGE and not nowhere.stats.environment_failure
-    # Policy errors: unknown tool, empty query.
-    for call in (ToolCall("browse", "x"), ToolCall("search", "   "), ToolCall("access", "")):
+    # Policy errors: unknown tool, empty query, empty URL, a URL urllib cannot split (a model
+    # once wrote one with an unbalanced "[" in its host, and urllib raised in the toolbox).
+    calls = (ToolCall("browse", "x"), ToolCall("search", "   "), ToolCall("access", ""),
+             ToolCall("access", "https://[synthwiki.org/Doc 1"),
+             ToolCall("access", "https://[Doc 1](https://synthwiki.org/X)"))  # fmt: skip
+    for call in calls:
       bad = await asyncio.wait_for(box.execute(call), 5)
       assert bad.stats.invalid_call and not bad.stats.environment_failure and bad.stats.error
     m = box.metrics()
   assert m["tools/search/calls"] == 2 and m["tools/search/found"] == 1
-  assert m["tools/access/calls"] == 3 and m["tools/access/found"] == 1
+  assert m["tools/access/calls"] == 5 and m["tools/access/found"] == 1
   assert m["tools/other/invalid_calls"] == 1 and m["tools/search/invalid_calls"] == 1
   assert m["tools/search/latency_mean_s"] > 0
 
