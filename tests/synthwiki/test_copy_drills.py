@@ -22,16 +22,22 @@ TINY_LONG = SynthWikiConfig(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def expert_run(tmp_path_factory):
-  sw, files = prepare_world(tmp_path_factory.mktemp("drills") / "world", TINY_LONG)
+def _expert_run(directory, expert: ExpertConfig, agent_config):
+  """(world, tokenizer, the expert's train trajectories over the real BM25 server)."""
+  sw, files = prepare_world(directory / "world", TINY_LONG)
   tok = Tokenizer.from_dir(files.tokenizer)
   with RetrievalThread(files.index) as server:
     trajs = asyncio.run(generate_expert_trajectories(
-      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address,
-      expert=ExpertConfig(give_up_after_hops=(2, 3)), agent_config=lh.LONG_AGENT, concurrency=8,
+      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address, expert=expert,
+      agent_config=agent_config, concurrency=8,
     ))  # fmt: skip
   return sw, tok, trajs
+
+
+@pytest.fixture(scope="module")
+def expert_run(tmp_path_factory):
+  expert = ExpertConfig(give_up_after_hops=(2, 3))
+  return _expert_run(tmp_path_factory.mktemp("drills"), expert, lh.LONG_AGENT)
 
 
 def test_drills_rename_the_start_in_the_first_turn_only(expert_run):
@@ -73,15 +79,8 @@ def test_drills_rename_the_start_in_the_first_turn_only(expert_run):
 
 @pytest.fixture(scope="module")
 def page_expert_run(tmp_path_factory):
-  sw, files = prepare_world(tmp_path_factory.mktemp("page_drills") / "world", TINY_LONG)
-  tok = Tokenizer.from_dir(files.tokenizer)
   expert = ExpertConfig(give_up_after_hops=(2, 3), read_pages=True, max_attempts=4)
-  with RetrievalThread(files.index) as server:
-    trajs = asyncio.run(generate_expert_trajectories(
-      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address, expert=expert,
-      agent_config=lh.PAGES_AGENT, concurrency=8,
-    ))  # fmt: skip
-  return sw, tok, trajs
+  return _expert_run(tmp_path_factory.mktemp("page_drills"), expert, lh.PAGES_AGENT)
 
 
 def test_page_drills_go_on_through_the_access_of_the_renamed_page(page_expert_run):
