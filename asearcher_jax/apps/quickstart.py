@@ -48,7 +48,8 @@ from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.serving.types import SamplingParams
-from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+from asearcher_jax.synthwiki.questions import chain_prefix, write_questions
+from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
 from asearcher_jax.tools.search import LocalRetrievalConfig
 from asearcher_jax.tools.toolbox import make_toolbox
 
@@ -160,11 +161,19 @@ def evaluate(
 
 
 def rl_pool(
-  files: WorldFiles, which: str, eval_questions: int | None, kinds: tuple[str, ...] | None = None
+  files: WorldFiles,
+  which: str,
+  eval_questions: int | None,
+  kinds: tuple[str, ...] | None = None,
+  *,
+  prefix_hops: tuple[int, ...] = (),
+  sw: SynthWiki | None = None,
 ) -> list[QAExample]:
   """The RL question pool (see `QuickstartRL.questions`): "train", or "heldout" = the test
   split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
-  training questions and the evaluation; only questions of `kinds` (QAExample.bucket) if given."""
+  training questions and the evaluation; with `prefix_hops`, also the first h hops of each
+  pooled chain (`QuickstartRL.prefix_hops`; needs the world `sw`); only questions of `kinds`
+  (QAExample.bucket) if given."""
   if which == "train":
     items = load_training_qa(files.train)
   elif which == "heldout":
@@ -176,12 +185,38 @@ def rl_pool(
       )
   else:
     raise AsearcherError(f"QuickstartRL.questions must be 'heldout' or 'train', got {which!r}")
+  if prefix_hops:
+    if sw is None:
+      raise AsearcherError("rl_pool: prefix_hops needs the world (sw)")
+    items = items + chain_prefixes(
+      sw, items, prefix_hops, files.root / f"rl_prefixes_{which}.jsonl"
+    )
   if kinds is not None:
     found = sorted({it.bucket for it in items})
     items = [it for it in items if it.bucket in kinds]
     if not items:
       raise AsearcherError(f"no RL question of kinds {kinds}; the pool has {found}")
   return items
+
+
+def chain_prefixes(
+  sw: SynthWiki, items: list[QAExample], hops: tuple[int, ...], path: Path
+) -> list[QAExample]:
+  """The first h hops of every chain among `items`, for each h in `hops` (longer chains only,
+  each checked unique), written to `path` (QA jsonl) and read back as RL questions."""
+  by_id = {q.id: q for q in sw.questions}
+  style = sw.world.config.question_style
+  made = []
+  for it in items:
+    q = by_id.get(it.id)
+    for h in hops:
+      p = chain_prefix(sw.world, q, h, style) if q is not None else None
+      if p is not None:
+        made.append(p)
+  if not made:
+    raise AsearcherError(f"QuickstartRL.prefix_hops={hops}: no pooled chain is longer than that")
+  write_questions(made, path)
+  return load_training_qa(path)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,6 +264,10 @@ class QuickstartRL:
   questions: str = "heldout"
   # Only questions of these kinds ("chain-1" .. "chain-4", "comparison-2"); None = all.
   kinds: tuple[str, ...] | None = None
+  # Also draw the first h hops of each pooled chain as a question, for each h here (e.g. (1, 2,
+  # 3)): shorter chains through the same pages, so a policy that cannot yet finish the long ones
+  # still meets groups of mixed reward; () = the pool as is.
+  prefix_hops: tuple[int, ...] = ()
   # In-flight keys/values on a weight update (`DriverConfig.kv_on_update`): "recompute" | "keep".
   kv_on_update: str = "recompute"
   # Re-prefill in-flight slots grouped by bucket on a weight update (`DriverConfig.batch_reprefill`);
@@ -280,9 +319,11 @@ def quickstart(
     ("report", 3),
   ])  # fmt: skip
   with tracker.stage("world"):
-    _, files = prepare_world(root / "world", world)
+    sw, files = prepare_world(root / "world", world)
     check_tokenizer(files, warm)
-    rl_items = rl_pool(files, rl.questions, ev.questions, rl.kinds)
+    rl_items = rl_pool(
+      files, rl.questions, ev.questions, rl.kinds, prefix_hops=tuple(rl.prefix_hops), sw=sw
+    )
   addr_dir = root / "rl" / "retrieval_addrs"
   with RetrievalThread(files.index, addr_dir=addr_dir) as server:
     with tracker.stage("load"):

@@ -356,6 +356,33 @@ def _chain_question(world: World, rng: random.Random, k: int, config: SynthWikiC
   return q
 
 
+def chain_prefix(
+  world: World, q: SynthQuestion, hops: int, style: str = "nested"
+) -> SynthQuestion | None:
+  """The first `hops` steps of chain `q` as a question of its own (same start, same
+  description, the chain's pages up to the bridge it ends at); None when `q` is not a longer
+  chain or the shorter question is not unique in the world. Why: shorter chains through the
+  same pages give reward to a policy that cannot yet finish the long ones (a curriculum), and
+  they are held out exactly when `q` is, since the split follows the start entity."""
+  if q.kind != "chain" or not 0 < hops < q.hops:
+    return None
+  start_np = describe(q.noun, q.constraints) if q.constraints else q.start
+  out = dataclasses.replace(
+    q,
+    id=f"{q.id}-p{hops}",
+    question=_chain_text(start_np, q.relations[:hops], style),
+    answer=q.bridges[hops - 1],
+    hops=hops,
+    relations=q.relations[:hops],
+    bridges=q.bridges[:hops],
+    gold_ids=q.gold_ids[:hops],
+    gold_titles=q.gold_titles[:hops],
+  )
+  if resolve(world, out) != {out.answer} or hop_leaks(world, out):
+    return None
+  return out
+
+
 def _comparison_question(world: World, rng: random.Random):
   rel = rng.choice(sorted(COMPARISONS))
   pool = [e for e in world.by_type[RELATIONS[rel].subject] if rel in e.facts]
