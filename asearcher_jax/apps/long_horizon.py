@@ -40,6 +40,7 @@ from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.synthwiki import copy_drills
 from asearcher_jax.synthwiki.expert import ExpertConfig, read_trajectories, write_trajectories
+from asearcher_jax.synthwiki.questions import SynthQuestion, chain_prefix
 from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
 from asearcher_jax.tokenizer import Tokenizer
 
@@ -111,6 +112,10 @@ class LongWarmStart:
   read_pages: bool = False
   # Tool calls for one hop before the expert guesses (search, search by name, open the page).
   max_attempts: int = 3
+  # The expert also plays the first h hops of each train chain, for each h here
+  # (`questions.chain_prefix`), so that the warm start has seen short chains and an RL pool with
+  # `QuickstartRL.prefix_hops` gives it reward; () = the train chains only.
+  prefix_hops: tuple[int, ...] = ()
   # Expert and SFT seed.
   seed: int = 0
   # Fine-tune this Hugging Face checkpoint (e.g. the shipped warm start, whose tokenizer is the
@@ -150,16 +155,17 @@ def make_warm_start(
   sw, files = prepare_world(root.parent / "world", world)
   data = root / "expert_trajectories.jsonl"
   stats_path = root / "expert.json"
+  questions = expert_questions(sw, warm.prefix_hops)
   if not stats_path.exists():
     stats = expert_trajectories(
-      sw, files, data, expert=warm_start_expert(warm), agent_config=agent, seed=warm.seed,
-      samples_per_question=warm.samples_per_question,
+      sw, files, data, questions=questions, expert=warm_start_expert(warm), agent_config=agent,
+      seed=warm.seed, samples_per_question=warm.samples_per_question,
     )  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
     stats_path.write_text(json.dumps(stats) + "\n")
   paths = [str(data)]
   if warm.copy_drills:
-    paths.append(str(write_copy_drills(root, sw, files, data, warm)))
+    paths.append(str(write_copy_drills(root, sw, files, data, warm, questions)))
   sft_commands.sft(
     trajectories=paths, out_dir=str(root / "sft"),
     policy=PolicyConfig(
@@ -171,14 +177,28 @@ def make_warm_start(
   return root / "sft" / "model", json.loads(stats_path.read_text()), files
 
 
+def expert_questions(sw: SynthWiki, prefix_hops: tuple[int, ...]) -> list[SynthQuestion]:
+  """The expert's questions: the train split, then the first h hops of its chains for each h in
+  `prefix_hops` (those unique in the world)."""
+  style = sw.world.config.question_style
+  prefixes = [chain_prefix(sw.world, q, h, style) for h in prefix_hops for q in sw.train]
+  return sw.train + [p for p in prefixes if p is not None]
+
+
 def write_copy_drills(
-  root: Path, sw: SynthWiki, files: WorldFiles, data: Path, warm: LongWarmStart
+  root: Path,
+  sw: SynthWiki,
+  files: WorldFiles,
+  data: Path,
+  warm: LongWarmStart,
+  questions: list[SynthQuestion],
 ) -> Path:
-  """root/copy_drills.jsonl from the expert's trajectories in `data` (written once; resumable)."""
+  """root/copy_drills.jsonl from the expert's trajectories in `data` on `questions` (written
+  once; resumable)."""
   path = root / "copy_drills.jsonl"
   if not path.exists():
     drills = copy_drills.copy_drills(
-      read_trajectories(data), {q.id: q for q in sw.train}, sw.world,
+      read_trajectories(data), {q.id: q for q in questions}, sw.world,
       Tokenizer.from_dir(files.tokenizer), per_trajectory=warm.copy_drills, seed=warm.seed,
     )  # fmt: skip
     write_trajectories(drills, path.with_suffix(".tmp"))

@@ -70,7 +70,7 @@ def evaluate_card(
       "give_up_after_hops": list(warm.give_up_after_hops) if warm.give_up_after_hops else None,
       "p_guess": warm.p_guess, "imperfection": warm.imperfection,
       "samples_per_question": warm.samples_per_question, "copy_drills": warm.copy_drills,
-      "read_pages": warm.read_pages,
+      "read_pages": warm.read_pages, "prefix_hops": list(warm.prefix_hops),
       **expert_stats,
     },
     "init_from": warm.init_from,
@@ -128,7 +128,10 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     "", "## Reproduce", "", "```", card["command"], "```", "",
     f"World: SynthWiki seed {card['world']['seed']} (4-12-hop chains, hops isolated), digest "
     f"`{card['world_digest']}`. Expert: seed {card['seed']}, {e['samples_per_question']} episodes "
-    f"per train question ({int(e['trajectories'])} trajectories, mean reward "
+    "per train question"
+    + (f" and per chain prefix of {', '.join(map(str, e['prefix_hops']))} hops"
+       if e.get("prefix_hops") else "")
+    + f" ({int(e['trajectories'])} trajectories, mean reward "
     f"{e['expert_mean_reward']:.3f})"
     + (f", plus {e['copy_drills']} copy drills per trajectory (its first search turn with the "
        "start renamed to any entity)" if e.get("copy_drills") else "")
