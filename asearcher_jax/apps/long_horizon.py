@@ -40,7 +40,7 @@ from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.synthwiki import copy_drills
 from asearcher_jax.synthwiki.expert import ExpertConfig, read_trajectories, write_trajectories
-from asearcher_jax.synthwiki.questions import SynthQuestion, chain_prefix
+from asearcher_jax.synthwiki.questions import SynthQuestion, chain_prefixes
 from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
 from asearcher_jax.tokenizer import Tokenizer
 
@@ -180,9 +180,7 @@ def make_warm_start(
 def expert_questions(sw: SynthWiki, prefix_hops: tuple[int, ...]) -> list[SynthQuestion]:
   """The expert's questions: the train split, then the first h hops of its chains for each h in
   `prefix_hops` (those unique in the world)."""
-  style = sw.world.config.question_style
-  prefixes = [chain_prefix(sw.world, q, h, style) for h in prefix_hops for q in sw.train]
-  return sw.train + [p for p in prefixes if p is not None]
+  return sw.train + chain_prefixes(sw.world, sw.train, prefix_hops, sw.world.config.question_style)
 
 
 def write_copy_drills(

@@ -48,7 +48,7 @@ from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.serving.types import SamplingParams
-from asearcher_jax.synthwiki.questions import chain_prefix, write_questions
+from asearcher_jax.synthwiki.questions import chain_prefixes, write_questions
 from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
 from asearcher_jax.tools.search import LocalRetrievalConfig
 from asearcher_jax.tools.toolbox import make_toolbox
@@ -188,9 +188,7 @@ def rl_pool(
   if prefix_hops:
     if sw is None:
       raise AsearcherError("rl_pool: prefix_hops needs the world (sw)")
-    items = items + chain_prefixes(
-      sw, items, prefix_hops, files.root / f"rl_prefixes_{which}.jsonl"
-    )
+    items = items + prefix_pool(sw, items, prefix_hops, files.root / f"rl_prefixes_{which}.jsonl")
   if kinds is not None:
     found = sorted({it.bucket for it in items})
     items = [it for it in items if it.bucket in kinds]
@@ -199,20 +197,14 @@ def rl_pool(
   return items
 
 
-def chain_prefixes(
+def prefix_pool(
   sw: SynthWiki, items: list[QAExample], hops: tuple[int, ...], path: Path
 ) -> list[QAExample]:
   """The first h hops of every chain among `items`, for each h in `hops` (longer chains only,
   each checked unique), written to `path` (QA jsonl) and read back as RL questions."""
-  by_id = {q.id: q for q in sw.questions}
-  style = sw.world.config.question_style
-  made = []
-  for it in items:
-    q = by_id.get(it.id)
-    for h in hops:
-      p = chain_prefix(sw.world, q, h, style) if q is not None else None
-      if p is not None:
-        made.append(p)
+  ids = {it.id for it in items}
+  pooled = [q for q in sw.questions if q.id in ids]
+  made = chain_prefixes(sw.world, pooled, hops, sw.world.config.question_style)
   if not made:
     raise AsearcherError(f"QuickstartRL.prefix_hops={hops}: no pooled chain is longer than that")
   write_questions(made, path)

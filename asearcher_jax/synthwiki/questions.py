@@ -383,6 +383,15 @@ def chain_prefix(
   return out
 
 
+def chain_prefixes(
+  world: World, questions: Iterable[SynthQuestion], hops: Sequence[int], style: str = "nested"
+) -> list[SynthQuestion]:
+  """`chain_prefix` of every question for each h in `hops` (h-major), the unique ones only."""
+  questions = list(questions)
+  made = [chain_prefix(world, q, h, style) for h in hops for q in questions]
+  return [p for p in made if p is not None]
+
+
 def _comparison_question(world: World, rng: random.Random):
   rel = rng.choice(sorted(COMPARISONS))
   pool = [e for e in world.by_type[RELATIONS[rel].subject] if rel in e.facts]
