@@ -180,7 +180,12 @@ def make_warm_start(
 def expert_questions(sw: SynthWiki, prefix_hops: tuple[int, ...]) -> list[SynthQuestion]:
   """The expert's questions: the train split, then the first h hops of its chains for each h in
   `prefix_hops` (those unique in the world)."""
-  return sw.train + chain_prefixes(sw.world, sw.train, prefix_hops, sw.world.config.question_style)
+  if any(h < 1 for h in prefix_hops):
+    raise AsearcherError(f"LongWarmStart.prefix_hops must be hop counts >= 1, got {prefix_hops}")
+  prefixes = chain_prefixes(sw.world, sw.train, prefix_hops, sw.world.config.question_style)
+  if prefix_hops and not prefixes:
+    raise AsearcherError(f"LongWarmStart.prefix_hops={prefix_hops}: no train chain is longer")
+  return sw.train + prefixes
 
 
 def write_copy_drills(

@@ -202,6 +202,8 @@ def prefix_pool(
 ) -> list[QAExample]:
   """The first h hops of every chain among `items`, for each h in `hops` (longer chains only,
   each checked unique), written to `path` (QA jsonl) and read back as RL questions."""
+  if any(h < 1 for h in hops):
+    raise AsearcherError(f"QuickstartRL.prefix_hops must be hop counts >= 1, got {hops}")
   ids = {it.id for it in items}
   pooled = [q for q in sw.questions if q.id in ids]
   made = chain_prefixes(sw.world, pooled, hops, sw.world.config.question_style)

@@ -76,6 +76,8 @@ def test_rl_pool_adds_the_prefixes_of_its_own_split(sw, tmp_path):
   assert {it.bucket for it in only} == {"chain-1"} and len(only) == len(chains)
   with pytest.raises(AsearcherError, match="needs the world"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(1,))
+  with pytest.raises(AsearcherError, match=r"QuickstartRL\.prefix_hops must be hop counts >= 1"):
+    pipeline.rl_pool(files, "train", None, prefix_hops=(0, 1), sw=sw)
   with pytest.raises(AsearcherError, match="no pooled chain is longer"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(9,), sw=sw)
 
@@ -89,3 +91,7 @@ def test_the_warm_start_expert_plays_the_train_chains_then_their_prefixes(sw):
   long_ids = {q.id for q in sw.train if q.kind == "chain"}
   assert {q.id.rsplit("-p", 1)[0] for q in extra} <= long_ids
   assert len({q.id for q in questions}) == len(questions)
+  with pytest.raises(AsearcherError, match=r"LongWarmStart\.prefix_hops must be hop counts >= 1"):
+    lh.expert_questions(sw, (0,))
+  with pytest.raises(AsearcherError, match="no train chain is longer"):
+    lh.expert_questions(sw, (9,))
