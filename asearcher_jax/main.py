@@ -177,8 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import gin
 
     print(gin.config_str())
+  from asearcher_jax.apps import invocation
+
   try:
-    result = fn()
+    with invocation.recorded(argv):  # what model cards and summaries print as their command
+      result = fn()
   except AsearcherError as e:
     # One line: gin appends "In call to configurable ..." lines to exceptions it passes through.
     message = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import invocation
 from asearcher_jax.apps import long_horizon_report as lh_report
 from asearcher_jax.apps.quickstart import QuickstartEval, model_dir_id
 from asearcher_jax.apps.warm_start import evaluate_model_dir, ship
@@ -62,7 +63,7 @@ def evaluate_card(
   sft_summary = json.loads((model_dir.parent / "sft_summary.json").read_text())
   sampled = scores["sampled"]
   return {
-    "command": COMMAND.format(recipe=warm.recipe),
+    "command": invocation.command(COMMAND.format(recipe=warm.recipe)),
     "seed": warm.seed,
     "world": dataclasses.asdict(world),
     "world_digest": files.digest,

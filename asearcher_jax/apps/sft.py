@@ -19,8 +19,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +26,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
+from asearcher_jax.apps import invocation
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model import hf_io, presets, steps
 from asearcher_jax.model import sharding as sharding_lib
@@ -188,7 +187,7 @@ def sft(
 
   summary = {
     "name": name or f"sft-{cfg.model_type}-{cfg.num_params() / 1e6:.1f}m",
-    "command": shlex.join(["asearcher", *sys.argv[1:]]),
+    "command": invocation.command("asearcher sft (called from Python)"),
     "model_dir": str(model_path),
     "init": init,
     "seed": config.seed,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import invocation
 from asearcher_jax.apps import sft as sft_commands
 from asearcher_jax.apps.quickstart import (
   QUICKSTART_AGENT,
@@ -48,6 +49,8 @@ from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
 
+# The command that makes the shipped warm start (its card's default "Reproduce" line).
+COMMAND = "asearcher warm-start --gin_file gin/experiments/warm_start.gin"
 # The SFT recipe of the shipped warm start (about 11.5M tokens: ~5 epochs of the expert data at
 # 2 episodes per train question). 700 steps left the loss still falling steeply (0.31 -> 0.23 ->
 # 0.22 at steps 500/600/700) and a flat sampling tail: sampled Avg@4 7.4% vs greedy 32.8%.
@@ -223,7 +226,7 @@ def warm_start(
     )  # fmt: skip
   with tracker.stage("card"):
     card = {
-      "command": "asearcher warm-start --gin_file gin/experiments/warm_start.gin",
+      "command": invocation.command(COMMAND),
       "world": dataclasses.asdict(world),
       "world_digest": files.digest,
       "expert": {"imperfection": expert.imperfection,

@@ -69,6 +69,19 @@ _LEAD_FAILED = -1
 HISTORY_STEPS = 1000
 
 
+def step_line(version: int, metrics: dict[str, float]) -> str:
+  """The one log line per step. A step in which no episode finished has no reward metric; the
+  line says so rather than printing `nan`, which reads like a fault."""
+  reward = metrics.get("rollout/reward")
+  loss = metrics.get("ppo/loss")
+  return (
+    f"step {version}: loss {'-' if loss is None else f'{loss:.4f}'} "
+    f"reward {'- (no episode finished)' if reward is None else f'{reward:.3f}'} "
+    f"idle {metrics.get('perf/trainer_idle_frac', float('nan')):.2f} "
+    f"staleness max {metrics.get('staleness/head_max')}"
+  )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
   """Attributes:
@@ -454,11 +467,4 @@ class Trainer:
     self.history.append(metrics)
     del self.history[:-HISTORY_STEPS]
     self.writer.write(self.learner.version, metrics)
-    log.info(
-      "step %d: loss %.4f reward %.3f idle %.2f staleness max %s",
-      self.learner.version,
-      metrics.get("ppo/loss", float("nan")),
-      metrics.get("rollout/reward", float("nan")),
-      metrics["perf/trainer_idle_frac"],
-      metrics.get("staleness/head_max"),
-    )
+    log.info("%s", step_line(self.learner.version, metrics))
