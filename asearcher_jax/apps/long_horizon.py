@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import invocation, long_warm_start
 from asearcher_jax.apps import long_horizon_report as lh_report
-from asearcher_jax.apps import long_warm_start
 from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps import sft as sft_commands
 from asearcher_jax.apps.warm_start import SFTStage
@@ -278,6 +278,7 @@ def long_horizon(
     root, long_hops=long_hops, per_hop=lh_report.calls_per_hop(agent.doc_sentences)
   )
   summary.update(
+    command=invocation.command("asearcher long-horizon (called from Python)"),
     warm_start_dir=warm_start_dir, warm_start_expert=expert_stats,
     agent_max_turns=agent.max_turns, agent_max_tokens=agent.max_tokens,
     min_tool_calls_allowed=min_tool_calls,

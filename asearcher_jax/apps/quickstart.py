@@ -31,9 +31,9 @@ from typing import Any
 
 from asearcher_jax.agent import AsearcherAgentConfig, Limits
 from asearcher_jax.agent.registry import agent_factory
+from asearcher_jax.apps import invocation, wiring
 from asearcher_jax.apps import quickstart_report as report
 from asearcher_jax.apps import train as rl_commands
-from asearcher_jax.apps import wiring
 from asearcher_jax.apps.stages import StageTracker
 from asearcher_jax.apps.train_config import AgentChoice, LearnerConfig, TrainConfig
 from asearcher_jax.apps.world import RetrievalThread, WorldFiles, prepare_world
@@ -395,6 +395,7 @@ def quickstart(
     report.write_plots(curves, root / "report")
     tool_calls = curves["rollout/tool_calls"]
     summary = {
+      "command": invocation.command("asearcher quickstart (called from Python)"),
       "avg4_sft": before["avg_em"], "avg4_rl": after["avg_em"],
       "pass4_sft": before["pass_em"], "pass4_rl": after["pass_em"],
       "f1_avg4_sft": before["avg_f1"], "f1_avg4_rl": after["avg_f1"],
