@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 
 import pytest
 
@@ -93,7 +94,11 @@ def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tiny_run):
   assert set(summary) >= SUMMARY_KEYS
   assert summary["rl_steps"] >= 1 and summary["eta"] == 4 and summary["k"] == 2
   assert summary["num_test_questions"] == 4
-  assert summary["command"] == "asearcher quickstart (called from Python)"  # not pytest's argv
+  # The command that made this run: the sweep's point process, its overrides included.
+  argv = shlex.split(summary["command"])
+  assert argv[:2] == ["asearcher", "quickstart"]
+  assert "--gin_param=pipeline.QuickstartRL.max_staleness=4" in argv
+  assert any(a.startswith("--gin_param=pipeline.quickstart.run_dir=") for a in argv)
   assert set(summary["stages"]) == {"world", "load", "eval_sft", "rl", "eval_rl"}  # report: after
   assert (run_dir / "report" / "training.png").read_bytes()[:4] == b"\x89PNG"
   assert "Avg@4" in (run_dir / "report" / "report.md").read_text()
