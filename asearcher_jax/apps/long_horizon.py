@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from asearcher_jax.agent import AsearcherAgentConfig
-from asearcher_jax.apps import invocation, long_warm_start
+from asearcher_jax.apps import invocation, long_dagger, long_warm_start
 from asearcher_jax.apps import long_horizon_report as lh_report
 from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps import sft as sft_commands
@@ -73,9 +73,19 @@ PAGES_AGENT = dataclasses.replace(
 )
 
 
+# The page agent for an expert with `plan_notes`: its first turn lists up to 12 relations (~3
+# tokens each) before its search, which 64 new tokens do not always hold.
+PAGES_PLAN_AGENT = dataclasses.replace(PAGES_AGENT, max_new_tokens=96)
+
+
 def pages_agent() -> AsearcherAgentConfig:
   """`PAGES_AGENT`, for gin (which binds what a callable returns, not module constants)."""
   return PAGES_AGENT
+
+
+def pages_plan_agent() -> AsearcherAgentConfig:
+  """`PAGES_PLAN_AGENT`, for gin."""
+  return PAGES_PLAN_AGENT
 
 
 LONG_ENGINE = EngineConfig(
@@ -87,6 +97,7 @@ LONG_ENGINE = EngineConfig(
 # two rows per learner pass and 1,024- or 2,048-token rows for minibatches that fit them.
 LONG_RL = qs.QuickstartRL(questions="train", micro_rows=2, short_row_lens=(1024, 2048))
 _QUICKSTART_SFT = SFTStage()
+_NO_DAGGER = long_dagger.DaggerStage()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +121,9 @@ class LongWarmStart:
   # The expert opens each hop's page after finding it (`ExpertConfig.read_pages`); the agent
   # must show snippets (`doc_sentences`) for this to be a second tool call per hop.
   read_pages: bool = False
+  # The expert's notes end with the chain's relations still to follow (`ExpertConfig.plan_notes`;
+  # the agent needs `PAGES_PLAN_AGENT`'s longer turns).
+  plan_notes: bool = False
   # Tool calls for one hop before the expert guesses (search, search by name, open the page).
   max_attempts: int = 3
   # The expert also plays the first h hops of each train chain, for each h here
@@ -123,6 +137,8 @@ class LongWarmStart:
   init_from: str | None = None
   # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
   sft: SFTStage = _QUICKSTART_SFT
+  # Rounds of expert relabelling of the SFT model's own episodes after it (`long_dagger`).
+  dagger: long_dagger.DaggerStage = _NO_DAGGER
   # Copy the made warm start and its card here (the default warm start's directory:
   # asearcher_jax/assets/checkpoints/synthwiki_long_sft); None: keep it in the run directory.
   ship_to: str | None = None
@@ -144,14 +160,21 @@ def warm_start_expert(warm: LongWarmStart) -> ExpertConfig:
     p_guess=warm.p_guess or base.p_guess,
     read_pages=warm.read_pages,
     max_attempts=warm.max_attempts,
+    plan_notes=warm.plan_notes,
   )
 
 
 def make_warm_start(
-  root: Path, world: SynthWikiConfig, warm: LongWarmStart, agent: AsearcherAgentConfig
+  root: Path,
+  world: SynthWikiConfig,
+  warm: LongWarmStart,
+  agent: AsearcherAgentConfig,
+  *,
+  engine: EngineConfig = LONG_ENGINE,
+  temperature: float = 1.0,
 ) -> tuple[Path, dict[str, float], WorldFiles]:
-  """The giving-up expert's trajectories and a from-scratch SFT on them (both resumable);
-  returns the model directory, the expert's statistics and the world's files."""
+  """The giving-up expert's trajectories, an SFT on them, then `warm.dagger`'s rounds (all
+  resumable); returns the model directory, the expert's statistics and the world's files."""
   sw, files = prepare_world(root.parent / "world", world)
   data = root / "expert_trajectories.jsonl"
   stats_path = root / "expert.json"
@@ -174,7 +197,12 @@ def make_warm_start(
     scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
     name="SynthWiki long-horizon warm start (asearcher long-horizon)",
   )  # fmt: skip
-  return root / "sft" / "model", json.loads(stats_path.read_text()), files
+  model_dir = long_dagger.run_rounds(
+    root, root / "sft" / "model", sw=sw, files=files, expert=warm_start_expert(warm),
+    stage=warm.dagger, data_paths=paths, agent=agent, engine=engine, temperature=temperature,
+    seed=warm.seed,
+  )  # fmt: skip
+  return model_dir, json.loads(stats_path.read_text()), files
 
 
 def expert_questions(sw: SynthWiki, prefix_hops: tuple[int, ...]) -> list[SynthQuestion]:
@@ -254,7 +282,9 @@ def long_horizon(
       f"{agent.doc_sentences}: an expert opens pages exactly when search shows snippets"
     )
   if warm_start_dir is None:
-    model_dir, expert_stats, files = make_warm_start(root / "warm_start", world, warm, agent)
+    model_dir, expert_stats, files = make_warm_start(
+      root / "warm_start", world, warm, agent, engine=engine, temperature=temperature
+    )
     if warm.stop_after_sft:
       print(json.dumps({"warm_start_model": str(model_dir), "expert": expert_stats}), flush=True)
       return 0

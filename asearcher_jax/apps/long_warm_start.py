@@ -71,10 +71,19 @@ def evaluate_card(
       "give_up_after_hops": list(warm.give_up_after_hops) if warm.give_up_after_hops else None,
       "p_guess": warm.p_guess, "imperfection": warm.imperfection,
       "samples_per_question": warm.samples_per_question, "copy_drills": warm.copy_drills,
-      "read_pages": warm.read_pages, "prefix_hops": list(warm.prefix_hops),
+      "read_pages": warm.read_pages, "plan_notes": warm.plan_notes,
+      "prefix_hops": list(warm.prefix_hops),
       **expert_stats,
     },
     "init_from": warm.init_from,
+    "dagger": {
+      "rounds": warm.dagger.rounds, "questions": warm.dagger.questions,
+      "samples": warm.dagger.samples, "repeat": warm.dagger.repeat,
+      "relabel": [
+        json.loads(p.read_text())
+        for p in sorted((root / "warm_start").glob("dagger*/relabel.json"))
+      ],
+    },
     "data_sha256": sft_summary["data"]["data_sha256"],
     "data_files": {Path(f).name: h for f, h in sft_summary["data"]["files"].items()},
     "sft_steps": sft_summary["step"],
@@ -136,6 +145,12 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     f"{e['expert_mean_reward']:.3f})"
     + (f", plus {e['copy_drills']} copy drills per trajectory (its first search turn with the "
        "start renamed to any entity)" if e.get("copy_drills") else "")
+    + (f", then {card['dagger']['rounds']} round(s) of expert relabelling of its own episodes "
+       f"({card['dagger']['questions']} train questions x {card['dagger']['samples']} a round; "
+       "policy-expert agreement per round, act / read turns: "
+       + "; ".join(f"{r['act']['agreement']:.2f} / {r['read']['agreement']:.2f}"
+                   for r in card["dagger"]["relabel"]) + ")"
+       if card.get("dagger", {}).get("rounds") else "")
     + ". Data: "
     + ", ".join(f"`{name}` sha256 `{h}`" for name, h in card["data_files"].items()) + ".", "",
     f"SFT: {card['sft_steps']} steps, {card['sft_train_seconds']:.0f} s of training{resumed}; "

@@ -43,6 +43,8 @@ PLAN = "I need {what}."
 FOUND = "{s} is the {noun} in question."
 MISSING = "{s} is not in these results."
 NO_MATCH = "No {noun} here matches."
+# With `plan_notes`: the chain's relations still to follow, by their search words.
+NEXT = "Next: {steps}."
 # A tool call and the result it got, as the context holds them.
 _CALL_RE = re.compile(r"<(search|access)>\s*(.*?)\s*</\1>\s*<information>(.*?)</information>", re.S)
 _FOUND_RE = re.compile(r"(?<![A-Za-z])(?P<s>[A-Z][a-z]+) is the (?P<noun>[a-z]+) in question\.")
@@ -76,6 +78,12 @@ class ExpertConfig:
   # so a hop is a search, then an `access` of the subject's page found in them, then the note;
   # a described start opens the results' pages of its kind until one matches.
   read_pages: bool = False
+  # Chains only: the first turn lists the chain's relations in the order they are searched
+  # (`NEXT`), and every note that resolves a hop ends with those still to follow, so the next
+  # search's relation is copied from the latest note instead of counted out of the question's
+  # nested phrase (a wrong relation was the commonest break of the page warm start's own
+  # episodes, 2026-11-27). The agent needs room for it: ~3 tokens a relation in the first turn.
+  plan_notes: bool = False
 
   def __post_init__(self) -> None:
     for name in ("p_guess", "p_sloppy_query", "p_skip_search", "p_misread"):
@@ -304,10 +312,18 @@ class SynthWikiExpert:
 
   def _plan(self, q: SynthQuestion, need) -> str:
     if need[0] == "identify":
-      return PLAN.format(what=f"the {q.noun} first")
+      return PLAN.format(what=f"the {q.noun} first") + self._next(q, 0)
     if q.kind == "comparison":
       return PLAN.format(what=f"facts about {q.compare[0]} and {q.compare[1]}")
-    return PLAN.format(what=f"facts about {need[1]}")
+    return PLAN.format(what=f"facts about {need[1]}") + self._next(q, 0)
+
+  def _next(self, q: SynthQuestion, resolved: int) -> str:
+    """With `plan_notes` on a chain: " Next: ..." listing the relations after `resolved` hops
+    ("answer" when none is left); else ""."""
+    if not self.config.plan_notes or q.kind != "chain":
+      return ""
+    steps = ", ".join(RELATIONS[r].words for r in q.relations[resolved:]) or "answer"
+    return " " + NEXT.format(steps=steps)
 
   def _action(self, q: SynthQuestion, need, attempts: int, rng: random.Random) -> str:
     sloppy = rng.random() < self.config.p_sloppy_query
@@ -372,7 +388,8 @@ class SynthWikiExpert:
       known[(subject, rel)] = value
       out.append(RELATIONS[rel].sentence.format(s=subject, o=value))
       found_any = True
-    return " ".join(out)
+    tail = self._next(q, self.resolved_hops(q, known)) if found_any else ""
+    return " ".join(out) + tail
 
   @staticmethod
   def _latest_is_search(v: _View) -> bool:

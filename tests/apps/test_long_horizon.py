@@ -9,9 +9,11 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import re
 
 import pytest
 
+from asearcher_jax.apps import long_dagger
 from asearcher_jax.apps import long_horizon as lh
 from asearcher_jax.apps import long_horizon_report as report
 from asearcher_jax.apps import quickstart as qs
@@ -24,6 +26,7 @@ from asearcher_jax.synthwiki import chain_breaks
 from asearcher_jax.synthwiki.expert import ExpertConfig, read_trajectories
 from asearcher_jax.synthwiki.questions import chain_entities, hop_leaks, mentions
 from asearcher_jax.synthwiki.wiki import URL_PREFIX, SynthWikiConfig, build_synthwiki, parse_facts
+from asearcher_jax.synthwiki.world import RELATIONS
 from asearcher_jax.tokenizer import Tokenizer
 from asearcher_jax.tools.search import Document
 from asearcher_jax.tools.toolbox import search_job
@@ -133,6 +136,28 @@ def test_page_reading_expert_searches_then_opens_the_page_for_every_hop(tiny_wor
   # the page by name after two searches, three calls a hop.
   blind = play(ExpertConfig(max_attempts=4))
   assert all(t.stats()["num_search"] >= 2 * t.stats()["num_access"] for t in blind if t.score)
+
+
+def test_plan_notes_list_the_relations_still_to_follow(tiny_world):
+  """With `plan_notes`, the first turn lists the chain's relations in search order and every note
+  that resolves a hop ends with the rest, so the next search's relation is the list's head."""
+  qs_ = tiny_world[0].questions
+  warm = lh.LongWarmStart(give_up_after_hops=None, read_pages=True, max_attempts=4, plan_notes=True)
+  episodes = _play(tiny_world, lh.warm_start_expert(warm), lh.PAGES_PLAN_AGENT)
+  assert sum(t.score for t in episodes) >= 0.9 * len(qs_)  # as good as without the notes
+  checked = 0
+  for q, t in zip(qs_, episodes):
+    words = [RELATIONS[r].words for r in q.relations]
+    assert f"Next: {', '.join(words)}." in t.calls[0].text
+    heads = [m.group(1) for c in t.calls for m in re.finditer(r"Next: ([^,.]+)", c.text)]
+    searches = [e.argument for e in t.tools if e.name == "search"]
+    if not q.constraints and t.score == 1.0:
+      assert heads == [*words, "answer"][: len(heads)] and heads[-1] == "answer"
+      checked += 1
+    for query in searches:  # every search names the relation at the head of the latest list
+      assert any(query.endswith(w) or query == w for w in words) or q.constraints, query
+    assert all(c.output_ids.size < lh.PAGES_PLAN_AGENT.max_new_tokens for c in t.calls)
+  assert checked >= len(qs_) // 2
 
 
 def test_the_page_reading_warm_start_needs_the_snippet_agent():
@@ -269,6 +294,34 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert pages_card["sft_start_step"] == sft_cfg.steps
   pages_md = (pages_dir / "warm_start" / "model_card.md").read_text()
   assert f"from `{shipped}`" in pages_md and "the page it found per hop" in pages_md
+  # One round of expert relabelling after that SFT: the model's own episodes on train questions
+  # (real engine and tools), the expert's turns where they differ, a fine-tune from the SFT's
+  # model on those plus the SFT's files; the card says so and evaluates the round's model.
+  round_sft = SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
+    WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1))  # fmt: skip
+  dagger = long_dagger.DaggerStage(rounds=1, questions=3, samples=2, repeat=2, sft=round_sft)
+  assert lh.long_horizon(**{**pages_run, "warm": dataclasses.replace(pages, dagger=dagger)}) == 0
+  r0 = pages_dir / "warm_start" / "dagger0"
+  assert len((r0 / "questions.jsonl").read_text().splitlines()) == 3
+  episodes = long_dagger.episodes(r0 / "episodes")
+  train_ids = {q.id for q in build_synthwiki(TINY_LONG).train}
+  assert len(episodes) == 3 * 2 and {t.qid for t in episodes} <= train_ids
+  stats = json.loads((r0 / "relabel.json").read_text())
+  assert stats["policy_episodes"] == 6
+  assert stats["act"]["calls"] == sum(c.kind == "act" for t in episodes for c in t.calls)
+  fixed = read_trajectories(r0 / "corrections.jsonl")
+  assert len(fixed) == stats["episodes"] and sum(len(t.calls) for t in fixed) == (
+    stats["corrections"]
+  )  # fmt: skip
+  assert stats["corrections"] == stats["act"]["differ"] + stats["read"]["differ"]
+  round_summary = json.loads((r0 / "sft" / "sft_summary.json").read_text())
+  assert round_summary["init"] == str(pages_dir / "warm_start" / "sft" / "model")
+  assert round_summary["data"]["trajectories"] == len(trajs) + 2 * len(fixed)  # repeated twice
+  dagger_card = json.loads((pages_dir / "warm_start" / "warm_start.json").read_text())
+  assert dagger_card["dagger"]["rounds"] == 1 and dagger_card["dagger"]["relabel"] == [stats]
+  assert (
+    "round(s) of expert relabelling" in (pages_dir / "warm_start" / "model_card.md").read_text()
+  )
 
 
 def test_limit_counters_add_up_over_the_lives_of_a_resumed_run():

@@ -1,0 +1,97 @@
+"""Expert relabelling (`synthwiki.relabel`): the expert's turn for the policy's own contexts, kept
+only where the policy's turn differs, token-exact on the recorded input ids."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from asearcher_jax.apps import long_horizon as lh
+from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
+from asearcher_jax.sft import data as sft_data
+from asearcher_jax.synthwiki import relabel
+from asearcher_jax.synthwiki.expert import ExpertConfig, SynthWikiExpert
+from asearcher_jax.synthwiki.wiki import SynthWikiConfig
+from asearcher_jax.tokenizer import Tokenizer
+
+TINY_LONG = SynthWikiConfig(
+  num_people=20, num_places=12, num_organisations=10, num_works=8,
+  questions_per_hop=(0, 0, 0, 6, 6), num_comparisons=0, isolate_hops=True, shuffle=True,
+)  # fmt: skip
+PAGES = ExpertConfig(read_pages=True, max_attempts=4)
+
+
+@pytest.fixture(scope="module")
+def page_run(tmp_path_factory):
+  """(world, tokenizer, the perfect page-reading expert's train episodes)."""
+  sw, files = prepare_world(tmp_path_factory.mktemp("relabel") / "world", TINY_LONG)
+  tok = Tokenizer.from_dir(files.tokenizer)
+  with RetrievalThread(files.index) as server:
+    trajs = asyncio.run(generate_expert_trajectories(
+      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address, expert=PAGES,
+      agent_config=lh.PAGES_AGENT, concurrency=8,
+    ))  # fmt: skip
+  return sw, tok, trajs
+
+
+def _expert(sw, tok) -> SynthWikiExpert:
+  return SynthWikiExpert(sw.world, sw.train, tok, PAGES)
+
+
+def test_the_expert_agrees_with_its_own_episodes(page_run):
+  sw, tok, trajs = page_run
+  out = relabel.relabel(trajs, _expert(sw, tok))
+  stats = out.stats()
+  assert out.trajectories == [] and stats["corrections"] == 0
+  assert stats["act"]["agreement"] == 1.0 and stats["read"]["agreement"] == 1.0
+  assert stats["act"]["calls"] == sum(c.kind == "act" for t in trajs for c in t.calls)
+
+
+def _corrupt(traj, tok, index: int, text: str):
+  """`traj` with call `index`'s output replaced by `text` (the policy's mistake)."""
+  calls = list(traj.calls)
+  ids = np.asarray(tok.encode(text), np.int32)
+  calls[index] = dataclasses.replace(
+    calls[index], output_ids=ids, logprobs=np.zeros(ids.size, np.float32),
+    versions=np.zeros(ids.size, np.int32), text=text,
+  )  # fmt: skip
+  return dataclasses.replace(traj, calls=calls)
+
+
+def test_a_wrong_turn_is_corrected_with_the_experts_turn_on_the_same_input(page_run):
+  sw, tok, trajs = page_run
+  traj = next(t for t in trajs if t.score == 1.0 and len(t.calls) > 4)
+  act = next(i for i, c in enumerate(traj.calls) if i > 0 and c.kind == "act")
+  read = next(i for i, c in enumerate(traj.calls) if c.kind == "read")
+  bad = _corrupt(traj, tok, act, "\n<search> Nobody founded </search>")
+  bad = _corrupt(bad, tok, read, "Nothing here.</think>")
+  out = relabel.relabel([bad], _expert(sw, tok))
+  assert out.stats()["corrections"] == 2
+  assert out.stats()["act"]["differ"] == 1 and out.stats()["read"]["differ"] == 1
+  (fixed,) = out.trajectories
+  assert fixed.qid == traj.qid and fixed.extra["relabelled_from"] == traj.qid
+  by_kind = {c.kind: c for c in fixed.calls}
+  for kind, i in (("act", act), ("read", read)):
+    # the label is the expert's own turn there: the original episode's output, same input ids
+    np.testing.assert_array_equal(by_kind[kind].input_ids, traj.calls[i].input_ids)
+    assert tok.decode(by_kind[kind].output_ids.tolist()) == tok.decode(
+      traj.calls[i].output_ids.tolist()
+    )
+  # loss on the labels only (here the corrupted episode's later inputs still hold the original
+  # turns, so the two corrections merge into one sequence by the prefix rule)
+  seqs = fixed.training_sequences()
+  assert sum(int(s["loss_mask"].sum()) for s in seqs) == sum(c.output_ids.size for c in fixed.calls)
+  _, kept = sft_data.to_sequences([fixed], row_len=4096)
+  assert kept.loss_tokens == sum(c.output_ids.size for c in fixed.calls)
+
+
+def test_unreadable_contexts_are_counted_not_labelled(page_run):
+  sw, tok, trajs = page_run
+  other = SynthWikiExpert(sw.world, sw.test, tok, PAGES)  # knows none of the train questions
+  out = relabel.relabel(trajs[:3], other)
+  stats = out.stats()
+  assert out.trajectories == []
+  assert stats["act"]["calls"] > 0 and stats["act"]["agree"] == stats["act"]["differ"] == 0
