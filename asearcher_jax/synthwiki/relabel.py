@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -40,6 +41,8 @@ class Relabelled:
   trajectories: list[Trajectory]
   # (kind of turn, "agree" / "differ" / "unlabelled") -> calls.
   counts: Counter
+  # Where each episode first left the expert (`disagreement`) -> episodes.
+  first: Counter = dataclasses.field(default_factory=Counter)
 
   def stats(self) -> dict[str, Any]:
     """Agreement per kind of turn (act, read), and the corrections' totals."""
@@ -53,7 +56,29 @@ class Relabelled:
         "agreement": round(agree / max(agree + differ, 1), 4),
       }
     out["corrections"] = sum(len(t.calls) for t in self.trajectories)
+    out["first_disagreement"] = dict(self.first.most_common())
     return out
+
+
+_ACTION_RE = re.compile(r"<(search|access|answer)>\s*(.*?)\s*</\1>", re.S)
+
+
+def disagreement(kind: str, policy_text: str, expert_text: str) -> str:
+  """What differs between two turns, in words: "note" for read turns; for act turns another
+  action ("answer instead of search"), or the same action with another argument ("search: wrong
+  relation", "search: wrong entity", "search: wrong entity and relation", "access: another
+  page", "answer: another value")."""
+  if kind == "read":
+    return "note"
+  p, e = _ACTION_RE.search(policy_text), _ACTION_RE.search(expert_text)
+  p_tag, e_tag = (p.group(1) if p else "no action"), (e.group(1) if e else "no action")
+  if p_tag != e_tag or p is None or e is None:
+    return f"{p_tag} instead of {e_tag}" if p_tag != e_tag else "other text"
+  if p_tag == "search":
+    (p_ent, *p_rel), (e_ent, *e_rel) = p.group(2).split(" ", 1), e.group(2).split(" ", 1)
+    wrong = [w for w, bad in (("entity", p_ent != e_ent), ("relation", p_rel != e_rel)) if bad]
+    return "search: wrong " + " and ".join(wrong) if wrong else "search: other text"
+  return {"access": "access: another page", "answer": "answer: another value"}[p_tag]
 
 
 def _seed(traj: Trajectory, salt: int) -> int:
@@ -81,10 +106,12 @@ async def relabel_episode(
   traj: Trajectory, expert: SynthWikiExpert, *, seed: int = 0
 ) -> tuple[Trajectory | None, Counter]:
   """The expert's turn for every call of `traj`; returns a trajectory of the calls where it
-  differs from the policy's (None if none) and the per-kind counts. Calls whose context the
-  expert cannot read (no known question) are counted as unlabelled."""
+  differs from the policy's (None if none) and the per-kind counts, with ("first", what) for
+  the episode's first disagreement. Calls whose context the expert cannot read (no known
+  question) are counted as unlabelled."""
   counts: Counter = Counter()
   kept: list[LLMCall] = []
+  first = None
   sampling = SamplingParams(seed=_seed(traj, seed))
   for call in traj.calls:
     stop = protocol.READ_STOPS if call.kind == "read" else protocol.ACT_STOPS
@@ -99,6 +126,9 @@ async def relabel_episode(
       counts[(call.kind, "agree")] += 1
       continue
     counts[(call.kind, "differ")] += 1
+    if first is None:
+      first = disagreement(call.kind, policy_text, label_text)
+      counts[("first", first)] += 1
     kept.append(_label_call(call, label, len(kept), label_text))
   if not kept:
     return None, counts
@@ -126,9 +156,11 @@ def relabel(
 
   done = asyncio.run(run([t for t in trajectories if not t.environment_failure]))
   total: Counter = Counter()
+  first: Counter = Counter()
   kept = []
   for traj, counts in done:
-    total.update(counts)
+    for (kind, what), n in counts.items():
+      (first if kind == "first" else total)[what if kind == "first" else (kind, what)] += n
     if traj is not None:
       kept.append(traj)
-  return Relabelled(trajectories=kept, counts=total)
+  return Relabelled(trajectories=kept, counts=total, first=first)

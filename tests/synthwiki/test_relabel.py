@@ -71,6 +71,8 @@ def test_a_wrong_turn_is_corrected_with_the_experts_turn_on_the_same_input(page_
   out = relabel.relabel([bad], _expert(sw, tok))
   assert out.stats()["corrections"] == 2
   assert out.stats()["act"]["differ"] == 1 and out.stats()["read"]["differ"] == 1
+  first = "note" if read < act else "search: wrong entity and relation"
+  assert out.stats()["first_disagreement"] == {first: 1}  # one episode, one first
   (fixed,) = out.trajectories
   assert fixed.qid == traj.qid and fixed.extra["relabelled_from"] == traj.qid
   by_kind = {c.kind: c for c in fixed.calls}
@@ -95,3 +97,23 @@ def test_unreadable_contexts_are_counted_not_labelled(page_run):
   stats = out.stats()
   assert out.trajectories == []
   assert stats["act"]["calls"] > 0 and stats["act"]["agree"] == stats["act"]["differ"] == 0
+
+
+@pytest.mark.parametrize(
+  ("kind", "policy", "expert", "what"),
+  [
+    ("read", "Ab is a member of Cd.</think>", "Ab is led by Ef.</think>", "note"),
+    ("act", "\n<search> Ab member of </search>", "\n<search> Ab led by </search>",
+     "search: wrong relation"),
+    ("act", "\n<search> Xy led by </search>", "\n<search> Ab led by </search>",
+     "search: wrong entity"),
+    ("act", "\n<search> Xy born in </search>", "\n<search> Ab led by </search>",
+     "search: wrong entity and relation"),
+    ("act", "\n<answer> Cd </answer>", "\n<search> Ab led by </search>",
+     "answer instead of search"),
+    ("act", "\n<access> u/Xy </access>", "\n<access> u/Ab </access>", "access: another page"),
+    ("act", "I think", "\n<access> u/Ab </access>", "no action instead of access"),
+  ],
+)  # fmt: skip
+def test_disagreements_are_named(kind, policy, expert, what):
+  assert relabel.disagreement(kind, policy, expert) == what
