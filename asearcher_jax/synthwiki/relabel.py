@@ -45,7 +45,8 @@ class Relabelled:
   first: Counter = dataclasses.field(default_factory=Counter)
 
   def stats(self) -> dict[str, Any]:
-    """Agreement per kind of turn (act, read), and the corrections' totals."""
+    """Agreement per kind of turn (act, read), the corrections' totals and where the episodes
+    first left the expert."""
     out: dict[str, Any] = {"episodes": len(self.trajectories)}
     for kind in sorted({"act", "read", *(k for k, _ in self.counts)}):
       agree, differ = self.counts[(kind, "agree")], self.counts[(kind, "differ")]
@@ -160,7 +161,10 @@ def relabel(
   kept = []
   for traj, counts in done:
     for (kind, what), n in counts.items():
-      (first if kind == "first" else total)[what if kind == "first" else (kind, what)] += n
+      if kind == "first":
+        first[what] += n
+      else:
+        total[(kind, what)] += n
     if traj is not None:
       kept.append(traj)
   return Relabelled(trajectories=kept, counts=total, first=first)
