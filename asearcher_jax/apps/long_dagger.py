@@ -62,6 +62,18 @@ class DaggerStage:
   repeat: int = 2
   # Each round's fine-tune (its steps, batch and AdamW schedule; the scratch preset is unused).
   sft: SFTStage = DAGGER_SFT
+  # The labeller gives up as the warm start's expert does (its p_guess and give-up point);
+  # False: it plays every chain to its end, so the corrections teach only the chain (with the
+  # give-up, ~40 % of a round's first disagreements were a random guess, 2026-11-27).
+  labeller_gives_up: bool = True
+
+
+def labeller_config(expert: ExpertConfig, stage: DaggerStage) -> ExpertConfig:
+  """The expert whose turns a round's corrections are: the warm start's, less its give-up when
+  `stage.labeller_gives_up` is False (its other mistakes, attempts and note style kept)."""
+  if stage.labeller_gives_up:
+    return expert
+  return dataclasses.replace(expert, p_guess=0.0, give_up_after_hops=None)
 
 
 def round_questions(train_jsonl: Path, out: Path, n: int, seed: int) -> Path:
@@ -117,7 +129,9 @@ def run_round(
   )  # fmt: skip
   fixed = root / "corrections.jsonl"
   if not fixed.exists():
-    labeller = SynthWikiExpert(sw.world, sw.train, Tokenizer.from_dir(files.tokenizer), expert)
+    labeller = SynthWikiExpert(
+      sw.world, sw.train, Tokenizer.from_dir(files.tokenizer), labeller_config(expert, stage)
+    )
     trajs = episodes(root / "episodes")
     done = relabel.relabel(trajs, labeller, seed=seed)
     stats = done.stats()

@@ -79,6 +79,7 @@ def evaluate_card(
     "dagger": {
       "rounds": warm.dagger.rounds, "questions": warm.dagger.questions,
       "samples": warm.dagger.samples, "repeat": warm.dagger.repeat,
+      "labeller_gives_up": warm.dagger.labeller_gives_up,
       "relabel": [
         json.loads(p.read_text())
         for p in sorted((root / "warm_start").glob("dagger*/relabel.json"))
@@ -147,7 +148,9 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
        "start renamed to any entity)" if e.get("copy_drills") else "")
     + (f", then {card['dagger']['rounds']} round(s) of expert relabelling of its own episodes "
        f"({card['dagger']['questions']} train questions x {card['dagger']['samples']} a round; "
-       "policy-expert agreement per round, act / read turns: "
+       + ("labelled by an expert that plays every chain to its end; "
+          if not card["dagger"].get("labeller_gives_up", True) else "")
+       + "policy-expert agreement per round, act / read turns: "
        + "; ".join(f"{r['act']['agreement']:.2f} / {r['read']['agreement']:.2f}"
                    for r in card["dagger"]["relabel"]) + ")"
        if card.get("dagger", {}).get("rounds") else "")

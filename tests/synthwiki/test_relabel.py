@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from asearcher_jax.apps import long_dagger
 from asearcher_jax.apps import long_horizon as lh
 from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
 from asearcher_jax.sft import data as sft_data
@@ -25,16 +26,26 @@ PAGES = ExpertConfig(read_pages=True, max_attempts=4)
 
 
 @pytest.fixture(scope="module")
-def page_run(tmp_path_factory):
-  """(world, tokenizer, the perfect page-reading expert's train episodes)."""
-  sw, files = prepare_world(tmp_path_factory.mktemp("relabel") / "world", TINY_LONG)
-  tok = Tokenizer.from_dir(files.tokenizer)
+def world(tmp_path_factory):
+  """(world, its files on disk)."""
+  return prepare_world(tmp_path_factory.mktemp("relabel") / "world", TINY_LONG)
+
+
+def _episodes(sw, files, tok, expert: ExpertConfig):
+  """`expert`'s train episodes over the world's real BM25 server."""
   with RetrievalThread(files.index) as server:
-    trajs = asyncio.run(generate_expert_trajectories(
-      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address, expert=PAGES,
+    return asyncio.run(generate_expert_trajectories(
+      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address, expert=expert,
       agent_config=lh.PAGES_AGENT, concurrency=8,
     ))  # fmt: skip
-  return sw, tok, trajs
+
+
+@pytest.fixture(scope="module")
+def page_run(world):
+  """(world, tokenizer, the perfect page-reading expert's train episodes)."""
+  sw, files = world
+  tok = Tokenizer.from_dir(files.tokenizer)
+  return sw, tok, _episodes(sw, files, tok, PAGES)
 
 
 def _expert(sw, tok) -> SynthWikiExpert:
@@ -117,3 +128,27 @@ def test_unreadable_contexts_are_counted_not_labelled(page_run):
 )  # fmt: skip
 def test_disagreements_are_named(kind, policy, expert, what):
   assert relabel.disagreement(kind, policy, expert) == what
+
+
+def test_a_labeller_without_the_give_up_corrects_only_the_guesses(world):
+  """Episodes of an expert that guesses after one hop: its own labeller agrees with every turn;
+  the round's labeller without the give-up (`DaggerStage(labeller_gives_up=False)`) corrects
+  each early answer with the turn that goes on along the chain, and nothing else."""
+  sw, files = world
+  tok = Tokenizer.from_dir(files.tokenizer)
+  giving_up = dataclasses.replace(PAGES, give_up_after_hops=(1, 1))
+  trajs = _episodes(sw, files, tok, giving_up)  # every chain here has 4 or 5 hops
+  same = relabel.relabel(trajs, SynthWikiExpert(sw.world, sw.train, tok, giving_up)).stats()
+  # its own labeller gives up at the same turn, with a guess of its own (another draw)
+  assert set(same["first_disagreement"]) <= {"answer: another value"}
+  assert same["read"]["differ"] == 0 and same["corrections"] == same["act"]["differ"]
+  no_give_up = long_dagger.labeller_config(
+    giving_up, long_dagger.DaggerStage(labeller_gives_up=False)
+  )
+  assert no_give_up == dataclasses.replace(giving_up, give_up_after_hops=None)
+  assert long_dagger.labeller_config(giving_up, long_dagger.DaggerStage()) == giving_up
+  out = relabel.relabel(trajs, SynthWikiExpert(sw.world, sw.train, tok, no_give_up)).stats()
+  assert out["episodes"] == len(trajs) > 0  # every episode gave up early: one correction each
+  assert out["corrections"] == out["act"]["differ"] == len(trajs)
+  assert out["read"]["differ"] == 0
+  assert all(what.startswith("answer instead of") for what in out["first_disagreement"])
