@@ -65,11 +65,14 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 LOOP = "while"  # the new settings' EngineConfig.decode_loop (--decode-loop)
+# The new settings' EngineConfig.decode_rows (--decode-rows); None: the engine's default.
+ROWS: tuple[int, ...] | None = None
 
 
 def build_engine(model, tok, slots: int, steps: int = NEW) -> Engine:
+  rows = {"decode_rows": ROWS} if steps == NEW and ROWS is not None else {}
   cfg = EngineConfig(max_slots=slots, max_seq_len=MAX_SEQ, prefill_buckets=(32, 64, 128, 256),
-                     decode_steps_per_call=steps, decode_loop=LOOP)  # fmt: skip
+                     decode_steps_per_call=steps, decode_loop=LOOP, **rows)  # fmt: skip
   return Engine.from_model(model, tok, cfg)
 
 
@@ -196,7 +199,7 @@ def run_transformers(
 
 def main() -> None:
   tok = Tokenizer.qwen2()
-  global VOCAB, LOOP
+  global VOCAB, LOOP, ROWS
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("model", nargs="?", default="qwen2-tiny", help="model preset")
   parser.add_argument(
@@ -211,8 +214,15 @@ def main() -> None:
     "--decode-loop", choices=("while", "fixed", "unrolled"), default=LOOP,
     help="the new settings' device loop (EngineConfig.decode_loop; the old ones run one step)",
   )  # fmt: skip
+  parser.add_argument(
+    "--decode-rows", default=None,
+    help="the new settings' decode-step sizes below the slot count, comma-separated "
+    "(EngineConfig.decode_rows; default: the engine's)",
+  )  # fmt: skip
   args = parser.parse_args()
   LOOP = args.decode_loop
+  if args.decode_rows is not None:
+    ROWS = tuple(int(r) for r in args.decode_rows.split(",") if r.strip())
   batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
   if 32 not in batches:
     parser.error("--batches must include 32 (the summary figures are batch 32's)")
@@ -323,6 +333,7 @@ def main() -> None:
     "transformers_device": torch_device(),
     "decode_steps_per_call": {"new": NEW, "old": OLD},
     "decode_loop": LOOP,
+    "decode_rows_new": list(ROWS) if ROWS is not None else list(EngineConfig().decode_rows),
     "reps": REPS,
     "vs_transformers_b32": b32["vs_transformers"]["median"],
     "vs_transformers_b32_logprobs": b32["vs_transformers_logprobs"]["median"],
