@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from asearcher_jax.testing.xla_env import suite_flags
-
-# XLA's CPU code generation unoptimised (`asearcher_jax.testing.xla_env`: the suite's tiny
-# programs spend more time compiling than running); ASEARCHER_TEST_XLA_OPT=1 turns it back on.
-os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -27,7 +27,6 @@ from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.rl.inflight import read_resume_log
 from asearcher_jax.rl.replay import logged_group_ids
 from asearcher_jax.rl.rollout import group_item_key
-from asearcher_jax.testing import xla_env
 from asearcher_jax.testing.run_audit import RESUME_LOG
 
 # A CPU-sized `asearcher train` over a byte tokenizer (cheap softmax), group size 2, B = 1,
@@ -324,7 +323,7 @@ def train_command(gin: Path) -> list[str]:
 def cpu_env(compile_cache: Path | None = None) -> dict[str, str]:
   """The lives' environment: CPU, and (`compile_cache`) JAX's persistent compilation cache, so
   only the first life compiles, as an operator's restarts would."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_env.one_device()}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   if compile_cache is not None:
     env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -20,7 +20,6 @@ import pytest
 
 from asearcher_jax import main as cli
 from asearcher_jax.apps import sweep_launch
-from asearcher_jax.testing import xla_env
 from launch import cli as launch_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +125,7 @@ def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_pa
 
 def test_a_point_past_its_timeout_is_stopped_and_leaves_nothing(tmp_path, monkeypatch):
   """timeout_s = 5: the wait gives up while the roles still start; `stop` ends every process."""
-  monkeypatch.setenv("XLA_FLAGS", xla_env.one_device())
+  monkeypatch.setenv("XLA_FLAGS", "")
   spec = tmp_path / "spec.toml"
   spec.write_text(SPEC_1X1)
   root = tmp_path / "sweep"
@@ -162,9 +161,7 @@ def test_one_local_launched_point_lands_in_the_table(tmp_path, monkeypatch):
   """The shipped tiny launch sweep cut to one point of the 1 x 1 spec: start, supervisor.done,
   stop, the trainer's summary and last metrics row in the table; no process left; a rerun
   starts nothing."""
-  monkeypatch.setenv(
-    "XLA_FLAGS", xla_env.one_device()
-  )  # launched roles see one CPU device, as from a shell
+  monkeypatch.setenv("XLA_FLAGS", "")  # launched roles see one CPU device, as from a shell
   spec = tmp_path / "spec.toml"
   spec.write_text(SPEC_1X1)
   root = tmp_path / "sweep"

@@ -22,7 +22,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asearcher_jax.testing import xla_env
 from launch import cli, local
 
 SPEC = """name = "tiny"
@@ -129,7 +128,7 @@ def launched(tmp_path, monkeypatch):
   """`launch start` of SPEC; yields (run dir, pids seen); then `launch stop`, and nothing of the
   run (no process it started, no stale pid file) is left."""
   # The launched roles see one CPU device each, as on a laptop (not the suite's 8 fake devices).
-  monkeypatch.setenv("XLA_FLAGS", xla_env.one_device())
+  monkeypatch.setenv("XLA_FLAGS", "")
   run = tmp_path / "run"
   spec = tmp_path / "spec.toml"
   spec.write_text(SPEC.format(run=run))

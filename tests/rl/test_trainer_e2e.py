@@ -56,7 +56,6 @@ from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
-from asearcher_jax.testing import xla_env
 from asearcher_jax.testing.agent_workload import write_byte_tokenizer
 from tests.tools.conftest import shipped_index_dir  # noqa: F401
 
@@ -271,7 +270,7 @@ def test_sigkill_mid_run_then_resume(tmp_path, byte_tok_dir, shipped_index_dir):
     GIN.format(vocab=BYTE_VOCAB, run_dir=run_dir, tok_dir=byte_tok_dir, index_dir=shipped_index_dir)
   )
   cmd = [sys.executable, "-m", "asearcher_jax.main", "train", f"--gin_file={gin}"]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_env.one_device()}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   try:
     # Checkpoints are written in the background: kill once the first one is on disk (Orbax

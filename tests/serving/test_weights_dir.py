@@ -22,7 +22,6 @@ from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model import transformer
 from asearcher_jax.rl.weight_sync import WeightSyncConfig
 from asearcher_jax.serving import weights_dir as wd
-from asearcher_jax.testing import xla_env
 from tests.model.test_model import small_cfg
 
 
@@ -285,7 +284,7 @@ def test_two_trainer_processes_write_their_own_shards(tmp_path):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  env = {**os.environ, "XLA_FLAGS": xla_env.one_device() + " --xla_force_host_platform_device_count=4",
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}  # fmt: skip
   code = "from tests.serving.test_weights_dir import _publish_from_process as f; "
   procs = []

@@ -22,7 +22,6 @@ import pytest
 from flax import nnx
 
 from asearcher_jax.model import hf_io
-from asearcher_jax.testing import xla_env
 from tests.processes import finish, free_port
 from tests.rl.test_multihost import flat_params
 from tests.sft.test_sft import tok, tok_dir, trajs  # noqa: F401 (fixtures)
@@ -58,7 +57,7 @@ def launch(run_dir: Path, data: Path, tokenizer: Path, processes: int) -> list[s
   procs = []
   for i in range(processes):
     env = {
-      **os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_env.one_device(),
+      **os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
       "ASEARCHER_LOCAL_DEVICE_COUNT": str(8 // processes),
     }  # fmt: skip
     if processes > 1:
