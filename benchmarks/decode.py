@@ -222,7 +222,10 @@ def main() -> None:
   args = parser.parse_args()
   LOOP = args.decode_loop
   if args.decode_rows is not None:
-    ROWS = tuple(int(r) for r in args.decode_rows.split(",") if r.strip())
+    try:
+      ROWS = tuple(int(r) for r in args.decode_rows.split(",") if r.strip())
+    except ValueError:
+      parser.error(f"--decode-rows must be integers separated by commas, got {args.decode_rows!r}")
   batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
   if 32 not in batches:
     parser.error("--batches must include 32 (the summary figures are batch 32's)")

@@ -131,9 +131,10 @@ def test_disagreements_are_named(kind, policy, expert, what):
 
 
 def test_a_labeller_without_the_give_up_corrects_only_the_guesses(world):
-  """Episodes of an expert that guesses after one hop: its own labeller agrees with every turn;
-  the round's labeller without the give-up (`DaggerStage(labeller_gives_up=False)`) corrects
-  each early answer with the turn that goes on along the chain, and nothing else."""
+  """Episodes of an expert that guesses after one hop: its own labeller agrees with every turn
+  but the guess (it draws its own); the round's labeller without the give-up
+  (`DaggerStage(labeller_gives_up=False)`) corrects each early answer with the turn that goes on
+  along the chain, and nothing else."""
   sw, files = world
   tok = Tokenizer.from_dir(files.tokenizer)
   giving_up = dataclasses.replace(PAGES, give_up_after_hops=(1, 1))
@@ -147,6 +148,10 @@ def test_a_labeller_without_the_give_up_corrects_only_the_guesses(world):
   )
   assert no_give_up == dataclasses.replace(giving_up, give_up_after_hops=None)
   assert long_dagger.labeller_config(giving_up, long_dagger.DaggerStage()) == giving_up
+  guessing = dataclasses.replace(giving_up, p_guess=0.3, p_misread=0.1)  # only the give-up goes
+  assert long_dagger.labeller_config(
+    guessing, long_dagger.DaggerStage(labeller_gives_up=False)
+  ) == dataclasses.replace(guessing, p_guess=0.0, give_up_after_hops=None)
   out = relabel.relabel(trajs, SynthWikiExpert(sw.world, sw.train, tok, no_give_up)).stats()
   assert out["episodes"] == len(trajs) > 0  # every episode gave up early: one correction each
   assert out["corrections"] == out["act"]["differ"] == len(trajs)
