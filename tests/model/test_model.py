@@ -28,6 +28,14 @@ def _model(cfg, seed=0):
   return transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
+# Jitted: run eagerly, every new sequence length compiles each operation on its own (seconds on
+# CPU); jitted, a length is one compile.
+_score = nnx.jit(transformer.score, static_argnums=4)
+_forward = nnx.jit(lambda model, tokens, *packing: model(tokens, *packing))
+_extend = nnx.jit(lambda model, *args, fresh=False: model.extend(*args, fresh=fresh),
+                  static_argnames="fresh")  # fmt: skip
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_packed_scores_equal_unpacked(model_type):
   cfg = small_cfg(model_type)
@@ -37,7 +45,7 @@ def test_packed_scores_equal_unpacked(model_type):
   # Unpacked: each sequence alone.
   alone = [
     np.asarray(
-      transformer.score(model, jnp.asarray(s[None]), jnp.arange(len(s))[None], jnp.ones((1, len(s)), jnp.int32))
+      _score(model, jnp.asarray(s[None]), jnp.arange(len(s))[None], jnp.ones((1, len(s)), jnp.int32), 1.0)
     )[0]
     for s in seqs
   ]  # fmt: skip
@@ -52,9 +60,7 @@ def test_packed_scores_equal_unpacked(model_type):
     rows[r, off : off + len(s)] = s
     pos[r, off : off + len(s)] = np.arange(len(s))
     seg[r, off : off + len(s)] = sid
-  packed = np.asarray(
-    transformer.score(model, jnp.asarray(rows), jnp.asarray(pos), jnp.asarray(seg))
-  )
+  packed = np.asarray(_score(model, jnp.asarray(rows), jnp.asarray(pos), jnp.asarray(seg), 1.0))
   for (r, off, _), s, want in zip(layout, seqs, alone, strict=True):
     np.testing.assert_allclose(packed[r, off : off + len(s)], want, atol=1e-5)
   assert (
@@ -68,8 +74,8 @@ def test_score_temperature_matches_logsoftmax():
   cfg = small_cfg()
   model = _model(cfg)
   tok = jnp.asarray(np.arange(10)[None] % cfg.vocab_size)
-  lp = transformer.score(model, tok, jnp.arange(10)[None], jnp.ones((1, 10), jnp.int32), 0.7)
-  logits = model(tok)[0, :-1] / 0.7
+  lp = _score(model, tok, jnp.arange(10)[None], jnp.ones((1, 10), jnp.int32), 0.7)
+  logits = _forward(model, tok)[0, :-1] / 0.7
   want = jax.nn.log_softmax(logits)[jnp.arange(9), tok[0, 1:]]
   np.testing.assert_allclose(np.asarray(lp[0, 1:]), np.asarray(want), atol=1e-5)
 
@@ -82,13 +88,13 @@ def test_prefill_then_decode_equals_full_forward(model_type):
   lens = np.array([5, 3])
   total = 9
   full = rng.integers(0, cfg.vocab_size, (2, total))
-  want = np.stack([np.asarray(model(jnp.asarray(full[b : b + 1])))[0] for b in range(2)])
+  want = np.stack([np.asarray(_forward(model, jnp.asarray(full[b : b + 1])))[0] for b in range(2)])
   cache = KVCache.init(cfg, batch=2, max_len=16)
   # Prefill a padded bucket of 6 tokens; row 1 only has 3 real tokens (rest is padding).
   prompt = np.zeros((2, 6), np.int64)
   for b in range(2):
     prompt[b, : lens[b]] = full[b, : lens[b]]
-  logits, cache = model.extend(jnp.asarray(prompt), jnp.zeros(2, jnp.int32), cache)
+  logits, cache = _extend(model, jnp.asarray(prompt), jnp.zeros(2, jnp.int32), cache)
   for b in range(2):
     np.testing.assert_allclose(np.asarray(logits[b, : lens[b]]), want[b, : lens[b]], atol=1e-4)
   # Decode one token per row per step, each row at its own position (continuous batching).
@@ -124,8 +130,8 @@ def test_remat_gives_same_gradients():
   def loss(model):
     return -transformer.score(model, tok, jnp.arange(12)[None], jnp.ones((1, 12), jnp.int32)).sum()
 
-  g1 = nnx.grad(loss)(_model(cfg))
-  g2 = nnx.grad(loss)(_model(small_cfg(remat=True)))
+  g1 = nnx.jit(nnx.grad(loss))(_model(cfg))
+  g2 = nnx.jit(nnx.grad(loss))(_model(small_cfg(remat=True)))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
@@ -135,9 +141,9 @@ def test_blocked_causal_attention_equals_full_matrix():
   tok = jnp.asarray(rng.integers(0, 101, (2, 16)))
   seg = jnp.asarray(np.r_[np.ones(6), 2 * np.ones(10)][None].repeat(2, 0), jnp.int32)
   pos = jnp.asarray(np.r_[np.arange(6), np.arange(10)][None].repeat(2, 0), jnp.int32)
-  full = _model(small_cfg(attention_block=0), seed=4)(tok, pos, seg)
+  full = _forward(_model(small_cfg(attention_block=0), seed=4), tok, pos, seg)
   for block in (4, 8):  # 4 and 2 query blocks
-    blocked = _model(small_cfg(attention_block=block), seed=4)(tok, pos, seg)
+    blocked = _forward(_model(small_cfg(attention_block=block), seed=4), tok, pos, seg)
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), atol=1e-5)
 
 
@@ -146,19 +152,19 @@ def test_extend_in_query_blocks_equals_full_forward():
   must give the full forward's logits and the same cache."""
   rng = np.random.default_rng(6)
   tok = rng.integers(0, 101, (2, 16))
-  want = np.asarray(_model(small_cfg(attention_block=0), seed=7)(jnp.asarray(tok)))
+  want = np.asarray(_forward(_model(small_cfg(attention_block=0), seed=7), jnp.asarray(tok)))
   model = _model(small_cfg(attention_block=4), seed=7)
   cfg = model.cfg
-  fresh, _ = model.extend(
-    jnp.asarray(tok[:, :12]), jnp.zeros(2, jnp.int32), KVCache.init(cfg, 2, 12), fresh=True
+  fresh, _ = _extend(
+    model, jnp.asarray(tok[:, :12]), jnp.zeros(2, jnp.int32), KVCache.init(cfg, 2, 12), fresh=True
   )
   np.testing.assert_allclose(np.asarray(fresh), want[:, :12], atol=1e-4)
   # Rows at different offsets: prefix of 3 / 5 tokens, then a 10-token suffix (3 query blocks).
   cache = KVCache.init(cfg, batch=2, max_len=16)
   prefix = np.zeros((2, 5), np.int64)
   prefix[0, :3], prefix[1] = tok[0, :3], tok[1, :5]
-  _, cache = model.extend(jnp.asarray(prefix), jnp.zeros(2, jnp.int32), cache)
+  _, cache = _extend(model, jnp.asarray(prefix), jnp.zeros(2, jnp.int32), cache)
   suffix = np.stack([tok[0, 3:13], tok[1, 5:15]])
-  got, _ = model.extend(jnp.asarray(suffix), jnp.asarray([3, 5], jnp.int32), cache)
+  got, _ = _extend(model, jnp.asarray(suffix), jnp.asarray([3, 5], jnp.int32), cache)
   np.testing.assert_allclose(np.asarray(got[0]), want[0, 3:13], atol=1e-4)
   np.testing.assert_allclose(np.asarray(got[1]), want[1, 5:15], atol=1e-4)

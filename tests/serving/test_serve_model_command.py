@@ -141,16 +141,6 @@ def test_serve_model_on_a_taken_port_is_a_one_line_error():
   assert "Traceback" not in proc.stderr
 
 
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-  """Greedy continuation by full forward passes (no cache): the reference for a served policy."""
-  import jax.numpy as jnp
-
-  ids = list(prompt)
-  for _ in range(n):
-    ids.append(int(jnp.argmax(model(jnp.asarray([ids], jnp.int32))[0, -1])))
-  return ids[len(prompt) :]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tensor", [4])  # one device: tests/rl/test_train_remote.py
 async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, tokenizer, tensor):
@@ -163,6 +153,7 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
 
   from asearcher_jax.model import presets, transformer
   from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher
+  from tests.serving.test_driver_correctness import greedy_reference
 
   addr, weights = tmp_path / "policy.addr", tmp_path / "weights"
   proc = _start(
@@ -181,7 +172,9 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
     async with RemoteGenerationClient(address_file=addr, config=config) as client:
       before = await asyncio.wait_for(client.generate(prompt, greedy, 6, stop_token_ids=()), T)
       assert before.versions == [0] * 6
-      assert before.tokens == _greedy(transformer.Transformer(cfg, rngs=nnx.Rngs(0)), prompt, 6)
+      assert before.tokens == greedy_reference(
+        transformer.Transformer(cfg, rngs=nnx.Rngs(0)), prompt, 6
+      )
 
       trained = transformer.Transformer(cfg, rngs=nnx.Rngs(7))  # stands in for new weights
       graphdef, params = nnx.split(trained)
@@ -195,7 +188,7 @@ async def test_serve_model_loads_each_version_a_trainer_publishes(tmp_path, toke
       assert (await asyncio.wait_for(client.health(), T))["mesh"]["tensor"] == tensor
       # The store holds bf16 (the publisher's default); the float32 server runs those values.
       rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), params)
-      assert after.tokens == _greedy(nnx.merge(graphdef, rounded), prompt, 6)
+      assert after.tokens == greedy_reference(nnx.merge(graphdef, rounded), prompt, 6)
   finally:
     proc.send_signal(signal.SIGTERM)
     out, _ = await asyncio.to_thread(proc.communicate, timeout=T)
