@@ -225,6 +225,9 @@ class QuickstartEval:
   concurrency: int = 32
   # Evaluation seed (runs use seed + r); also the RL rollout's seed.
   seed: int = 0
+  # Compile every engine shape before the first evaluation, so that its times are serving times;
+  # False compiles each shape on first use (CI-size runs, which use few of them).
+  engine_warmup: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -360,8 +363,9 @@ def quickstart(
         items=rl_items,
       )  # fmt: skip
       # Compile every prefill/decode shape now, so evaluation times are not compile times.
-      warm_s = run.engine.warmup(modes=("sample",) if temperature > 0 else ("greedy",))
-      log.info("engine warmup: %.1f s", warm_s)
+      if ev.engine_warmup:
+        warm_s = run.engine.warmup(modes=("sample",) if temperature > 0 else ("greedy",))
+        log.info("engine warmup: %.1f s", warm_s)
     try:
       common = dict(
         client=run.driver, tokenizer=run.tokenizer, questions=files.test,

@@ -145,7 +145,8 @@ def evaluate_model_dir(
   ev = evaluation
   policy, tokenizer, _ = load_policy(str(model_dir), None, str(model_dir), ev.seed)
   eng = Engine.from_model(policy, tokenizer, engine)
-  eng.warmup(modes=("greedy", "sample"))  # compile once, so evaluation times are serving times
+  if ev.engine_warmup:  # compile once, so evaluation times are serving times
+    eng.warmup(modes=("greedy", "sample"))
   driver = Driver(eng, DriverConfig())
   try:
     with RetrievalThread(files.index) as server:

@@ -58,7 +58,8 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
                        progress=False),
       optimizer=dataclasses.replace(EARLY_ANSWER_OPTIMIZER, total_steps=2, warmup_steps=1),
     ),
-    evaluation=pipeline.QuickstartEval(questions=2, k=2), ship_to=str(ship), engine=SMALL_ENGINE,
+    evaluation=pipeline.QuickstartEval(questions=2, k=2, engine_warmup=False), ship_to=str(ship),
+    engine=SMALL_ENGINE,
     # A 6-step model writes to its budgets: 4 turns of 512 tokens, not the quickstart's 16 of 2,048.
     agent=dataclasses.replace(pipeline.QUICKSTART_AGENT, max_turns=4, max_tokens=512),
   ) == 0  # fmt: skip
