@@ -2,7 +2,8 @@
 
 Shown (CPU, loopback only, 2 steps each): choosing `asearcher`, `reasoning` or `search_r1` by a
 gin binding trains groups made by that agent (the replay log names it, and its trajectories start
-with that agent's own prompt); with the web toolbox (Serper search + the Jina reader, here local
+with that agent's own prompt: shown by the recipe runs, tests/apps/test_recipes.py, one recipe
+per agent); with the web toolbox (Serper search + the Jina reader, here local
 servers speaking their wire formats) the metrics show the tool cache and the budget spent, and a
 second run in replay-only mode answers its searches from the recorded cache. The warm start never
 opens a page, so the Jina reader is shown in the rollouts `train` runs with scripted episodes.
@@ -80,36 +81,6 @@ def prompt_text(tok: Tokenizer, group) -> str:
 def metrics_rows(run_dir: Path) -> list[dict]:
   text = (run_dir / "metrics" / "metrics.jsonl").read_text()
   return [json.loads(x) for x in text.splitlines() if x]
-
-
-@pytest.mark.parametrize("agent", ["asearcher", "reasoning", "search_r1"])
-def test_train_chooses_the_agent_by_name(tmp_path, byte_tok_dir, agent, capsys):
-  run_dir = tmp_path / agent
-  argv = small_run(
-    run_dir,
-    "presets.model_config.vocab_size=260",
-    f'commands.train.tokenizer_dir="{byte_tok_dir}"',
-    f'train_config.AgentChoice.name="{agent}"',
-    'wiring.ToolsConfig.kind="none"',  # a random policy never calls tools: no server needed
-    # Byte-level prompts are long: room for them, and 32 generated tokens per call.
-    "engine.EngineConfig.max_seq_len=4096",
-    "engine.EngineConfig.prefill_buckets=(2048, 4096)",
-    "asearcher.AsearcherAgentConfig.max_tokens=4096",
-    "asearcher.AsearcherAgentConfig.max_new_tokens=32",
-    "reasoning.ReasoningAgentConfig.max_context_tokens=4096",
-    "reasoning.ReasoningAgentConfig.max_read_prompt_tokens=3072",
-    "reasoning.ReasoningAgentConfig.max_new_tokens=32",
-    "search_r1.SearchR1AgentConfig.max_tokens=4096",
-    "search_r1.SearchR1AgentConfig.max_new_tokens=32",
-  )
-  assert main.main(argv) == 0
-  summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert summary["version"] == 2 and summary["agent"] == agent
-  trained = groups(run_dir)
-  assert trained and {g.metadata["agent"] for g in trained} == {agent}
-  tok = Tokenizer.from_dir(byte_tok_dir)
-  for g in trained:
-    assert PROMPT_MARKS[agent] in prompt_text(tok, g)
 
 
 class FakeWeb:
