@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +210,11 @@ def run_soak(
         run.trainer.run(on_step=on_step, max_seconds=share)
       except TimeoutError as e:  # no batch within hang_s
         out["hangs"] += 1
-        out["errors"].append(f"life {life}: {e}")
+        where = traceback.extract_tb(e.__traceback__)[-1]  # an empty message names no place
+        out["errors"].append(
+          f"life {life}: {e!r} at {where.filename}:{where.lineno} ({where.name})"
+        )
+        log.warning("soak life %d: no batch", life, exc_info=e)
         break
       finally:
         run.close()
