@@ -281,8 +281,15 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert (pages_dir / "warm_start" / "sft" / "model" / "model.safetensors").exists()
   assert not (pages_dir / "eval").exists()
   assert not (pages_dir / "warm_start" / "warm_start.json").exists()
-  # Re-run without it: the SFT resumes at its last step (nothing trained again), then the card.
-  assert lh.long_horizon(**{**pages_run, "warm": pages}) == 0
+  # Re-run without it, with one round of expert relabelling after the SFT (one pipeline call for
+  # both, to keep the suite short): the SFT resumes at its last step (nothing trained again); the
+  # model's own episodes on train questions (real engine and tools), the expert's turns where they
+  # differ, a fine-tune from the SFT's model on those plus the SFT's files; the card says so and
+  # evaluates the round's model.
+  round_sft = SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
+    WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1))  # fmt: skip
+  dagger = long_dagger.DaggerStage(rounds=1, questions=3, samples=2, repeat=2, sft=round_sft)
+  assert lh.long_horizon(**{**pages_run, "warm": dataclasses.replace(pages, dagger=dagger)}) == 0
   sft_summary = json.loads((pages_dir / "warm_start" / "sft" / "sft_summary.json").read_text())
   assert sft_summary["init"] == str(shipped)
   trajs = read_trajectories(pages_dir / "warm_start" / "expert_trajectories.jsonl")
@@ -291,16 +298,10 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   pages_card = json.loads((pages_dir / "warm_start" / "warm_start.json").read_text())
   assert sum(v["samples"] for v in pages_card["by_hops"].values()) == 4 * 2
   assert pages_card["init_from"] == str(shipped) and pages_card["expert"]["read_pages"]
-  assert pages_card["sft_start_step"] == sft_cfg.steps
+  assert sft_summary["start_step"] == sft_cfg.steps  # resumed: nothing trained again
   pages_md = (pages_dir / "warm_start" / "model_card.md").read_text()
   assert f"from `{shipped}`" in pages_md and "the page it found per hop" in pages_md
-  # One round of expert relabelling after that SFT: the model's own episodes on train questions
-  # (real engine and tools), the expert's turns where they differ, a fine-tune from the SFT's
-  # model on those plus the SFT's files; the card says so and evaluates the round's model.
-  round_sft = SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
-    WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1))  # fmt: skip
-  dagger = long_dagger.DaggerStage(rounds=1, questions=3, samples=2, repeat=2, sft=round_sft)
-  assert lh.long_horizon(**{**pages_run, "warm": dataclasses.replace(pages, dagger=dagger)}) == 0
+  # The relabelling round.
   r0 = pages_dir / "warm_start" / "dagger0"
   assert len((r0 / "questions.jsonl").read_text().splitlines()) == 3
   episodes = long_dagger.episodes(r0 / "episodes")
