@@ -214,7 +214,7 @@ def run_soak(
         out["errors"].append(
           f"life {life}: {e!r} at {where.filename}:{where.lineno} ({where.name})"
         )
-        log.warning("soak life %d: no batch", life, exc_info=e)
+        log.warning("soak life %d ended on a timeout", life, exc_info=e)
         break
       finally:
         run.close()

@@ -29,20 +29,20 @@ def _score(model, tokens, segment_ids, temperature):
   return transformer.score(model, tokens, positions, segment_ids, temperature)
 
 
-def _padded(ids: list[int], width: int) -> tuple[jax.Array, jax.Array, int]:
+def _padded(ids: list[int], width: int) -> tuple[jax.Array, jax.Array]:
   """ids right-padded to a multiple of `width`, and their segment ids (0 on the padding): causal
   attention makes the padding invisible, and a few shapes compile once each instead of every
   length running op by op (seconds per new length on CPU)."""
   n = -(-len(ids) // width) * width
   seg = [1] * len(ids) + [0] * (n - len(ids))
-  return jnp.asarray([list(ids) + [0] * (n - len(ids))]), jnp.asarray([seg]), n
+  return jnp.asarray([list(ids) + [0] * (n - len(ids))]), jnp.asarray([seg])
 
 
 def greedy_reference(model, prompt, n, width=64):
   """Greedy decoding by full forward passes, no cache."""
   seq = list(prompt)
   for _ in range(n):
-    padded, _, _ = _padded(seq, width)
+    padded, _ = _padded(seq, width)
     seq.append(int(jnp.argmax(_forward(model, padded)[0, len(seq) - 1])))
   return seq[len(prompt) :]
 
@@ -50,7 +50,7 @@ def greedy_reference(model, prompt, n, width=64):
 def learner_logprobs(model, prompt, tokens, temperature, width=64):
   """The learner's per-token logprobs of `tokens` after `prompt` (`transformer.score`)."""
   ids = list(prompt) + list(tokens)
-  padded, seg, _ = _padded(ids, width)
+  padded, seg = _padded(ids, width)
   lp = _score(model, padded, seg, float(temperature))
   return np.asarray(lp[0, len(prompt) : len(ids)])
 
@@ -230,7 +230,7 @@ async def test_top_k_and_top_p_restrict_the_draw(make_driver):
     ),
     60,
   )
-  padded, _, _ = _padded(prompt, 64)
+  padded, _ = _padded(prompt, 64)
   logits = _forward(model, padded)[0, len(prompt) - 1]
   assert res.tokens[0] in set(np.argsort(-np.asarray(logits))[:2].tolist())
   # top_p tiny -> only the argmax survives, whatever the temperature.
