@@ -15,6 +15,8 @@ from typing import Any
 from asearcher_jax.apps import quickstart_report as qs_report
 from asearcher_jax.synthwiki import chain_breaks
 from asearcher_jax.synthwiki.questions import SynthQuestion
+from asearcher_jax.synthwiki.world import parse_facts
+from asearcher_jax.tools.toolbox import snippet
 
 # The issue's bars (what one run must show); `bars` says which hold.
 MIN_LONG_TOOL_CALLS = 10.0
@@ -101,10 +103,28 @@ def by_hops(rows: Sequence[Mapping[str, Any]], hops: Mapping[str, int]) -> dict[
   }
 
 
-def calls_per_hop(doc_sentences: int) -> int:
-  """Tool calls a hop takes: a search, and an `access` of the page when search results are
-  snippets (the agent's `doc_sentences` > 0: no fact is in them)."""
-  return 2 if doc_sentences > 0 else 1
+def calls_needed(
+  questions: Mapping[str, SynthQuestion], corpus: Path, doc_sentences: int
+) -> dict[str, int]:
+  """The fewest tool calls that solve each chain, by question id: a search per hop, plus an
+  `access` of the hop's page where the search shows a snippet (`doc_sentences` > 0: the title
+  and that many sentences) that does not state the hop's fact. Read from the world's own pages,
+  so it is what the agent would see."""
+  if doc_sentences <= 0:
+    return {qid: q.hops for qid, q in questions.items()}
+  with corpus.open() as f:
+    pages = {row["url"].rsplit("/", 1)[-1]: row["contents"] for row in map(json.loads, f)}
+  shown = {}  # page -> the (subject, relation) pairs its snippet states
+  out = {}
+  for qid, q in questions.items():
+    calls = 0
+    for subject, relation in zip(q.gold_titles, q.relations, strict=True):
+      if subject not in shown:
+        text = snippet(pages[subject], doc_sentences)
+        shown[subject] = {(f.subject, f.relation) for f in parse_facts(text)}
+      calls += 1 if (subject, relation) in shown[subject] else 2
+    out[qid] = calls
+  return out
 
 
 def long_stats(
@@ -112,15 +132,17 @@ def long_stats(
   hops: Mapping[str, int],
   long_hops: int,
   *,
-  per_hop: int = 1,
+  needed: Mapping[str, int] | None = None,
 ) -> dict[str, float]:
   """Avg@k EM and mean tool calls over the questions of at least `long_hops` hops, and how many
-  evaluation episodes hit the turn or token limit (`per_hop`: `calls_per_hop`)."""
+  evaluation episodes hit the turn or token limit (`needed`: `calls_needed`; None: a search per
+  hop)."""
   long = [r for r in rows if hops[r["qid"]] >= long_hops]
+  needed = hops if needed is None else needed
   return {
-    # The fewest tool calls that solve them (`per_hop` per hop): the ceiling of an agent that
-    # never searches or opens a page twice for a hop.
-    "min_tool_calls": _mean([float(per_hop * hops[r["qid"]]) for r in long]),
+    # The fewest tool calls that solve them: the ceiling of an agent that never searches or
+    # opens a page twice for a hop.
+    "min_tool_calls": _mean([float(needed[r["qid"]]) for r in long]),
     "avg_em": _mean([float(r["em"]) for r in long]),
     "tool_calls": _mean([float(r["tool_calls"]) for r in long]),
     "questions": len({r["qid"] for r in long}),
@@ -187,20 +209,22 @@ def replay_buckets(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, f
   return out
 
 
-def build(root: Path, *, long_hops: int, per_hop: int = 1) -> dict[str, Any]:
-  """The quickstart's summary plus the long-horizon figures (see the module docstring)."""
+def build(root: Path, *, long_hops: int, doc_sentences: int = 0) -> dict[str, Any]:
+  """The quickstart's summary plus the long-horizon figures (see the module docstring);
+  `doc_sentences`: the agent's (what its searches show)."""
   summary = json.loads((root / "report" / "summary.json").read_text())
   questions = heldout_questions(root / "world" / "test.jsonl")
   hops = {qid: q.hops for qid, q in questions.items()}
+  needed = calls_needed(questions, root / "world" / "corpus.jsonl", doc_sentences)
   before = eval_rows(root / "eval", "sft:")
   after = eval_rows(root / "eval", "rl:")
-  lb = long_stats(before, hops, long_hops, per_hop=per_hop)
-  la = long_stats(after, hops, long_hops, per_hop=per_hop)
+  lb = long_stats(before, hops, long_hops, needed=needed)
+  la = long_stats(after, hops, long_hops, needed=needed)
   metrics = qs_report.read_metrics(root / "rl" / "metrics" / "metrics.jsonl")
   dist = train_distribution(metrics)
   p90 = [(d["step"], d["p90"]) for d in dist if math.isfinite(d["p90"])]
   summary.update(
-    long_hops=long_hops, long_questions=lb["questions"], tool_calls_per_hop=per_hop,
+    long_hops=long_hops, long_questions=lb["questions"], doc_sentences=doc_sentences,
     avg4_sft_long=lb["avg_em"], avg4_rl_long=la["avg_em"],
     tool_calls_sft_long=lb["tool_calls"], tool_calls_rl_long=la["tool_calls"],
     tool_calls_needed_long=lb["min_tool_calls"],
@@ -237,7 +261,12 @@ def bars(s: Mapping[str, Any]) -> dict[str, bool]:
   }
 
 
-_HOP_WORDS = {1: "One search per hop", 2: "A search and a page opened per hop"}
+def _solver_words(doc_sentences: int) -> str:
+  if doc_sentences <= 0:
+    return "One search per hop"
+  if doc_sentences == 1:
+    return "A search and a page opened per hop"
+  return "A search per hop, and a page opened where its snippet does not state the fact,"
 
 
 def format_markdown(s: Mapping[str, Any]) -> str:
@@ -247,7 +276,7 @@ def format_markdown(s: Mapping[str, Any]) -> str:
     "| | warm start | after RL |", "|---|---|---|",
     f"| Avg@{s['k']} EM | {100 * s['avg4_sft_long']:.1f}% | {100 * s['avg4_rl_long']:.1f}% |",
     f"| tool calls / trajectory | {s['tool_calls_sft_long']:.2f} | {s['tool_calls_rl_long']:.2f} |",
-    "", f"{_HOP_WORDS[s.get('tool_calls_per_hop', 1)]} solves them in "
+    "", f"{_solver_words(s.get('doc_sentences', 0))} solves them in "
     f"{s['tool_calls_needed_long']:.2f} tool calls on average.",
     "", "## By hop count (Avg EM, tool calls)", "", "| hops | warm start | after RL |",
     "|---|---|---|",

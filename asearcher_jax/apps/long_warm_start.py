@@ -94,7 +94,8 @@ def evaluate_card(
     "tool_calls": sampled["tool_calls"], "questions": sampled["n"], "temperature": temperature,
     "long_hops": long_hops,
     "long": lh_report.long_stats(
-      rows, hops, long_hops, per_hop=lh_report.calls_per_hop(agent.doc_sentences)
+      rows, hops, long_hops,
+      needed=lh_report.calls_needed(questions, files.corpus, agent.doc_sentences),
     ),
     "by_hops": lh_report.by_hops(rows, hops),
     "chain_breaks": lh_report.breaks_of(root / "eval", "sft:", questions),

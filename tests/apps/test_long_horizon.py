@@ -138,6 +138,30 @@ def test_page_reading_expert_searches_then_opens_the_page_for_every_hop(tiny_wor
   assert all(t.stats()["num_search"] >= 2 * t.stats()["num_access"] for t in blind if t.score)
 
 
+def test_snippet_expert_opens_a_page_only_where_the_snippet_hides_the_fact(tiny_world):
+  """Three-sentence snippets (`SNIPPETS_AGENT`): the page-reading expert notes a hop's fact from
+  the snippet when it is there and opens the page otherwise, so a solved chain takes exactly the
+  calls `calls_needed` counts from the world's pages; the page world needs two a hop."""
+  sw, files = tiny_world
+  qs_ = {q.id: q for q in sw.questions}
+  needed = report.calls_needed(qs_, files.corpus, lh.SNIPPETS_AGENT.doc_sentences)
+  assert report.calls_needed(qs_, files.corpus, 0) == {i: q.hops for i, q in qs_.items()}
+  assert report.calls_needed(qs_, files.corpus, 1) == {i: 2 * q.hops for i, q in qs_.items()}
+  # Both kinds of hop occur: some facts are in the snippet, some only on the page.
+  assert any(needed[i] < 2 * q.hops for i, q in qs_.items())
+  assert any(needed[i] > q.hops for i, q in qs_.items())
+  perfect = _play(tiny_world, lh.warm_start_expert(lh.LongWarmStart(
+    give_up_after_hops=None, read_pages=True, max_attempts=4)), lh.SNIPPETS_AGENT)  # fmt: skip
+  assert sum(t.score for t in perfect) >= 0.9 * len(qs_)
+  exact = 0
+  for q, t in zip(qs_.values(), perfect):
+    stats = t.stats()
+    exact += t.score == 1.0 and stats["num_search"] + stats["num_access"] == needed[q.id]
+  # BM25 may list a later page of the chain by chance (its snippet then resolves a hop early).
+  assert exact >= 0.8 * len(qs_)
+  assert max(t.stats()["max_input_tokens"] for t in perfect) < lh.SNIPPETS_AGENT.max_tokens / 2
+
+
 def test_plan_notes_list_the_relations_still_to_follow(tiny_world):
   """With `plan_notes`, the first turn lists the chain's relations in search order and every note
   that resolves a hop ends with the rest, so the next search's relation is the list's head."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asearcher_jax.apps.long_horizon_report import breaks_of, calls_per_hop, long_stats
+from asearcher_jax.apps.long_horizon_report import breaks_of, long_stats
 from asearcher_jax.synthwiki.questions import SynthQuestion
 
 CHAIN = SynthQuestion(
@@ -56,7 +56,7 @@ def test_no_evaluation_means_no_episodes(tmp_path):
   assert breaks["episodes"] == 0 and breaks["skipped"] == 0
 
 
-def test_the_calls_a_long_question_needs_follow_the_tool_calls_per_hop():
+def test_the_calls_a_long_question_needs_are_counted_per_question():
   rows = [
     {"qid": "a", "em": 1.0, "tool_calls": 9.0},
     {"qid": "b", "em": 0.0, "tool_calls": 3.0},
@@ -65,6 +65,5 @@ def test_the_calls_a_long_question_needs_follow_the_tool_calls_per_hop():
   hops = {"a": 8, "b": 6, "short": 4}
   one = long_stats(rows, hops, 6)
   assert one["min_tool_calls"] == 7.0 and one["tool_calls"] == 6.0 and one["avg_em"] == 0.5
-  pages = long_stats(rows, hops, 6, per_hop=calls_per_hop(1))
-  assert pages["min_tool_calls"] == 14.0 and pages["tool_calls"] == 6.0
-  assert calls_per_hop(0) == 1 and calls_per_hop(3) == 2
+  pages = long_stats(rows, hops, 6, needed={"a": 16, "b": 9, "short": 8})
+  assert pages["min_tool_calls"] == 12.5 and pages["tool_calls"] == 6.0
