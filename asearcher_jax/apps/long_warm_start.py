@@ -72,6 +72,7 @@ def evaluate_card(
       "p_guess": warm.p_guess, "imperfection": warm.imperfection,
       "samples_per_question": warm.samples_per_question, "copy_drills": warm.copy_drills,
       "read_pages": warm.read_pages, "plan_notes": warm.plan_notes,
+      "doc_sentences": agent.doc_sentences,
       "prefix_hops": list(warm.prefix_hops),
       **expert_stats,
     },
@@ -120,6 +121,17 @@ def _give_up(expert: dict[str, Any]) -> str:
   return " or ".join(parts) or "sometimes gives up"
 
 
+def _per_hop(expert: dict[str, Any]) -> str:
+  if not expert.get("read_pages"):
+    return "one search per hop"
+  if expert.get("doc_sentences", 1) > 1:
+    return (
+      f"a search per hop and the page it found where the snippet (a page's first "
+      f"{expert['doc_sentences']} sentences) does not state the fact"
+    )
+  return "a search and then the page it found per hop (search results are snippets)"
+
+
 def card_markdown(card: dict[str, Any], sft_card: str) -> str:
   """The model card: what the checkpoint is for, how to make it again, and its held-out scores."""
   e, lg = card["expert"], card["long"]
@@ -133,8 +145,7 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     "A tiny Qwen2-architecture policy trained "
     + (f"from `{card['init_from']}`" if card.get("init_from") else "from scratch")
     + " by supervised fine-tuning on a scripted expert that searches correctly, "
-    + ("a search and then the page it found per hop (search results are snippets)"
-       if e.get("read_pages") else "one search per hop")
+    + _per_hop(e)
     + f", but {_give_up(e)} and answers with a guess; "
     "the starting point of `asearcher long-horizon`, whose RL should teach it to keep searching.",
     "", "## Reproduce", "", "```", card["command"], "```", "",

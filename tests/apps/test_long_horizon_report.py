@@ -67,3 +67,14 @@ def test_the_calls_a_long_question_needs_are_counted_per_question():
   assert one["min_tool_calls"] == 7.0 and one["tool_calls"] == 6.0 and one["avg_em"] == 0.5
   pages = long_stats(rows, hops, 6, needed={"a": 16, "b": 9, "short": 8})
   assert pages["min_tool_calls"] == 12.5 and pages["tool_calls"] == 6.0
+
+
+def test_the_model_card_says_which_pages_the_expert_opens():
+  from asearcher_jax.apps.long_warm_start import _per_hop
+
+  assert _per_hop({"read_pages": False, "doc_sentences": 0}) == "one search per hop"
+  assert "per hop (search results are snippets)" in _per_hop(
+    {"read_pages": True, "doc_sentences": 1}
+  )
+  assert "first 3 sentences) does not state" in _per_hop({"read_pages": True, "doc_sentences": 3})
+  assert "per hop (search results" in _per_hop({"read_pages": True})  # cards made before the key
