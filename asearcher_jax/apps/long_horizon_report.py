@@ -114,6 +114,9 @@ def calls_needed(
     return {qid: q.hops for qid, q in questions.items()}
   with corpus.open() as f:
     pages = {row["url"].rsplit("/", 1)[-1]: row["contents"] for row in map(json.loads, f)}
+  missing = sorted({t for q in questions.values() for t in q.gold_titles} - set(pages))
+  if missing:
+    raise ValueError(f"{corpus}: no page for {missing[:3]} (the questions are of another world)")
   shown = {}  # page -> the (subject, relation) pairs its snippet states
   out = {}
   for qid, q in questions.items():
@@ -261,12 +264,17 @@ def bars(s: Mapping[str, Any]) -> dict[str, bool]:
   }
 
 
-def _solver_words(doc_sentences: int) -> str:
+def per_hop_words(doc_sentences: int) -> str:
+  """What solving a hop takes when searches show `doc_sentences` (the report's and the warm
+  start card's wording)."""
   if doc_sentences <= 0:
-    return "One search per hop"
+    return "one search per hop"
   if doc_sentences == 1:
-    return "A search and a page opened per hop"
-  return "A search per hop, and a page opened where its snippet does not state the fact,"
+    return "a search and then the page it found per hop (search results are snippets)"
+  return (
+    f"a search per hop, and the page it found where the snippet, a page's first {doc_sentences} "
+    "sentences, does not state the fact"
+  )
 
 
 def format_markdown(s: Mapping[str, Any]) -> str:
@@ -276,8 +284,8 @@ def format_markdown(s: Mapping[str, Any]) -> str:
     "| | warm start | after RL |", "|---|---|---|",
     f"| Avg@{s['k']} EM | {100 * s['avg4_sft_long']:.1f}% | {100 * s['avg4_rl_long']:.1f}% |",
     f"| tool calls / trajectory | {s['tool_calls_sft_long']:.2f} | {s['tool_calls_rl_long']:.2f} |",
-    "", f"{_solver_words(s.get('doc_sentences', 0))} solves them in "
-    f"{s['tool_calls_needed_long']:.2f} tool calls on average.",
+    "", f"The fewest tool calls that solve them ({per_hop_words(s.get('doc_sentences', 0))}): "
+    f"{s['tool_calls_needed_long']:.2f} on average.",
     "", "## By hop count (Avg EM, tool calls)", "", "| hops | warm start | after RL |",
     "|---|---|---|",
   ]  # fmt: skip

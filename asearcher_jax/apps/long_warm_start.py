@@ -121,17 +121,6 @@ def _give_up(expert: dict[str, Any]) -> str:
   return " or ".join(parts) or "sometimes gives up"
 
 
-def _per_hop(expert: dict[str, Any]) -> str:
-  if not expert.get("read_pages"):
-    return "one search per hop"
-  if expert.get("doc_sentences", 1) > 1:
-    return (
-      f"a search per hop and the page it found where the snippet (a page's first "
-      f"{expert['doc_sentences']} sentences) does not state the fact"
-    )
-  return "a search and then the page it found per hop (search results are snippets)"
-
-
 def card_markdown(card: dict[str, Any], sft_card: str) -> str:
   """The model card: what the checkpoint is for, how to make it again, and its held-out scores."""
   e, lg = card["expert"], card["long"]
@@ -145,7 +134,7 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     "A tiny Qwen2-architecture policy trained "
     + (f"from `{card['init_from']}`" if card.get("init_from") else "from scratch")
     + " by supervised fine-tuning on a scripted expert that searches correctly, "
-    + _per_hop(e)
+    + lh_report.per_hop_words(e.get("doc_sentences", int(bool(e.get("read_pages")))))
     + f", but {_give_up(e)} and answers with a guess; "
     "the starting point of `asearcher long-horizon`, whose RL should teach it to keep searching.",
     "", "## Reproduce", "", "```", card["command"], "```", "",

@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asearcher_jax.apps.long_horizon_report import breaks_of, long_stats
+import pytest
+
+from asearcher_jax.apps.long_horizon_report import (
+  breaks_of,
+  calls_needed,
+  long_stats,
+  per_hop_words,
+)
 from asearcher_jax.synthwiki.questions import SynthQuestion
 
 CHAIN = SynthQuestion(
@@ -69,12 +76,17 @@ def test_the_calls_a_long_question_needs_are_counted_per_question():
   assert pages["min_tool_calls"] == 12.5 and pages["tool_calls"] == 6.0
 
 
-def test_the_model_card_says_which_pages_the_expert_opens():
-  from asearcher_jax.apps.long_warm_start import _per_hop
-
-  assert _per_hop({"read_pages": False, "doc_sentences": 0}) == "one search per hop"
-  assert "per hop (search results are snippets)" in _per_hop(
-    {"read_pages": True, "doc_sentences": 1}
-  )
-  assert "first 3 sentences) does not state" in _per_hop({"read_pages": True, "doc_sentences": 3})
-  assert "per hop (search results" in _per_hop({"read_pages": True})  # cards made before the key
+def test_the_words_for_a_hop_follow_what_searches_show(tmp_path):
+  assert per_hop_words(0) == "one search per hop"
+  assert per_hop_words(1).endswith("per hop (search results are snippets)")
+  assert "first 3 sentences, does not state the fact" in per_hop_words(3)
+  # A run directory of another world: one line naming the corpus and a missing page.
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text(json.dumps({"url": "https://synthwiki.org/Ana", "contents": "x"}) + "\n")
+  other = SynthQuestion(
+    id="o", question="?", answer="1200", kind="chain", hops=2, start="Zed", start_type="person",
+    relations=("mentor", "born_in"), bridges=("Bo", "1200"), gold_titles=("Zed", "Bo"),
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"corpus\.jsonl: no page for \['Bo', 'Zed'\]"):
+    calls_needed({"o": other}, corpus, 3)
+  assert calls_needed({"o": other}, corpus, 0) == {"o": 2}  # whole pages: nothing to read
