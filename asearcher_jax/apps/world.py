@@ -54,7 +54,7 @@ def prepare_world(
   root = Path(root)
   sw = build_synthwiki(config)
   paths = sw.write(root)
-  tok = build_world_tokenizer(sw.world, sw.questions, vocab_size=vocab_size)
+  tok = build_world_tokenizer(sw.world, sw.tokenizer_questions, vocab_size=vocab_size)
   tok_dir = save_world_tokenizer(tok, root / "tokenizer")
   index = root / "index"
   build_index_dir(corpus=[paths["corpus"]], index_dir=index, show_progress=False)

@@ -88,6 +88,12 @@ class SynthWiki:
   def test(self) -> list[SynthQuestion]:
     return [q for q in self.questions if q.split == "test"]
 
+  @property
+  def tokenizer_questions(self) -> list[SynthQuestion]:
+    """The questions the world tokenizer is trained on (`SynthWikiConfig.tokenizer_max_hops`)."""
+    limit = self.world.config.tokenizer_max_hops
+    return [q for q in self.questions if limit is None or q.hops <= limit]
+
   def digest(self) -> str:
     """sha256 over the corpus and every question row: equal digests, identical data."""
     h = hashlib.sha256()
@@ -126,6 +132,6 @@ def prepare_synthwiki(
 
   sw = build_synthwiki(config)
   paths = sw.write(out_dir)
-  tok = build_world_tokenizer(sw.world, sw.questions, vocab_size=vocab_size)
+  tok = build_world_tokenizer(sw.world, sw.tokenizer_questions, vocab_size=vocab_size)
   paths["tokenizer"] = save_world_tokenizer(tok, Path(out_dir) / "tokenizer")
   return paths

@@ -241,6 +241,9 @@ class SynthWikiConfig:
   # steps in the order they are searched: "Starting from Gazor, follow led by, then trained by.
   # What do you reach?"). Both need one search per hop; stepwise leaves out the parsing.
   question_style: str = "nested"
+  # Only questions of at most this many hops train the world tokenizer (None: all of them), so a
+  # world given longer chains keeps the tokenizer, and so the checkpoints, of the shorter one.
+  tokenizer_max_hops: int | None = None
 
   def __post_init__(self) -> None:
     if min(self.num_people, self.num_places, self.num_organisations) < 4 or self.num_works < 1:
@@ -256,6 +259,8 @@ class SynthWikiConfig:
       raise ValueError(f"test_fraction must be in [0, 1), got {self.test_fraction}")
     if any(n < 0 for n in self.questions_per_hop) or self.num_comparisons < 0:
       raise ValueError("question counts must be >= 0")
+    if self.tokenizer_max_hops is not None and self.tokenizer_max_hops < 1:
+      raise ValueError(f"tokenizer_max_hops must be >= 1 or None, got {self.tokenizer_max_hops}")
 
   @property
   def num_entities(self) -> int:

@@ -52,6 +52,23 @@ def test_long_world_has_4_to_12_hop_chains_each_hop_isolated():
       assert mentions(sw.world.entities[eid]) & set(chain) <= {*chain[i + 1 : i + 2]}
 
 
+def test_longer_world_adds_13_to_16_hop_chains_and_keeps_the_shipped_warm_starts_tokenizer(
+  tmp_path,
+):
+  short, longer = build_synthwiki(lh.LONG_WORLD), build_synthwiki(lh.LONGER_WORLD)
+  assert {q.hops for q in longer.questions} == set(range(4, 17))
+  assert longer.world.corpus_rows() == short.world.corpus_rows()
+  split = {q.question: q.split for q in longer.questions}
+  assert all(split.get(q.question) == q.split for q in short.questions)  # none changes side
+  assert all(hop_leaks(longer.world, q) == [] for q in longer.questions if q.hops > 12)
+  long_test = [q.hops for q in longer.test[:64] if q.hops >= 6]
+  assert sum(long_test) / len(long_test) > 10  # one search a hop needs > 10 calls there
+  _, files = prepare_world(tmp_path / "world", lh.LONGER_WORLD)
+  shipped = lh.long_warm_start.LONG_WARM_START / "tokenizer.json"
+  assert (files.tokenizer / "tokenizer.json").read_bytes() == shipped.read_bytes()
+  qs.check_tokenizer(files, lh.long_warm_start.LONG_WARM_START)
+
+
 def test_hop_leaks_flags_a_back_link():
   sw = build_synthwiki(TINY_LONG)
   q = sw.questions[0]

@@ -243,6 +243,27 @@ def test_tokenizer_is_deterministic(tiny, tmp_path):
   assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
 
 
+def test_tokenizer_max_hops_keeps_the_tokenizer_of_the_shorter_world(tmp_path):
+  # No comparisons: they are drawn after the chains, so longer chains would change them.
+  short = build_synthwiki(dataclasses.replace(TINY, num_comparisons=0, shuffle=True))
+  longer = build_synthwiki(
+    dataclasses.replace(short.world.config, questions_per_hop=(40, 40, 30, 40, 40))
+  )
+  assert {q.hops for q in longer.questions} - {q.hops for q in short.questions} == {4, 5}
+  kept = dataclasses.replace(longer.world.config, tokenizer_max_hops=3)
+  kept_sw = build_synthwiki(kept)
+  assert {q.question for q in kept_sw.tokenizer_questions} == {q.question for q in short.questions}
+  paths = prepare_synthwiki(tmp_path / "kept", kept)
+  ours = save_world_tokenizer(build_world_tokenizer(short.world, short.questions), tmp_path / "t")
+  assert (paths["tokenizer"] / "tokenizer.json").read_bytes() == (
+    ours / "tokenizer.json"
+  ).read_bytes()
+  moved = build_world_tokenizer(longer.world, longer.questions)  # without the knob
+  assert moved.vocab_size != Tokenizer.from_dir(ours).vocab_size
+  with pytest.raises(ValueError, match="tokenizer_max_hops"):
+    dataclasses.replace(TINY, tokenizer_max_hops=0)
+
+
 def test_compact_prompt_is_selected_by_name(tok):
   config = AsearcherAgentConfig(prompt="synthwiki")
   agent = AsearcherAgent(client=None, tokenizer=tok, toolbox=None, config=config)  # type: ignore[arg-type]
