@@ -226,14 +226,18 @@ def build(root: Path, *, long_hops: int, doc_sentences: int = 0) -> dict[str, An
   metrics = qs_report.read_metrics(root / "rl" / "metrics" / "metrics.jsonl")
   dist = train_distribution(metrics)
   p90 = [(d["step"], d["p90"]) for d in dist if math.isfinite(d["p90"])]
+  breaks_sft = breaks_of(root / "eval", "sft:", questions)
+  breaks_rl = breaks_of(root / "eval", "rl:", questions)
   summary.update(
     long_hops=long_hops, long_questions=lb["questions"], doc_sentences=doc_sentences,
     avg4_sft_long=lb["avg_em"], avg4_rl_long=la["avg_em"],
     tool_calls_sft_long=lb["tool_calls"], tool_calls_rl_long=la["tool_calls"],
     tool_calls_needed_long=lb["min_tool_calls"],
     accuracy_by_hops_sft=by_hops(before, hops), accuracy_by_hops_rl=by_hops(after, hops),
-    chain_breaks_sft=breaks_of(root / "eval", "sft:", questions),
-    chain_breaks_rl=breaks_of(root / "eval", "rl:", questions),
+    chain_breaks_sft=breaks_sft, chain_breaks_rl=breaks_rl,
+    # The share of attempted hops searched right: a k-hop chain is right about rate**k.
+    hop_search_rate_sft=breaks_sft["hops"]["right_rate"],
+    hop_search_rate_rl=breaks_rl["hops"]["right_rate"],
     train_tool_calls=dist,
     max_tool_calls_train=max((d["max"] for d in dist if math.isfinite(d["max"])), default=0.0),
     train_tool_calls_p90_first=qs_report.window_mean(p90, first=True),
@@ -299,6 +303,13 @@ def format_markdown(s: Mapping[str, Any]) -> str:
   for kind in chain_breaks.KINDS:
     cells = [break_cell(d, kind) for d in (s["chain_breaks_sft"], s["chain_breaks_rl"])]
     lines.append(f"| {kind} | {cells[0]} | {cells[1]} |")
+  rates = [d.get("hops") for d in (s["chain_breaks_sft"], s["chain_breaks_rl"])]
+  if all(r and r["attempted"] for r in rates):
+    lines.append(
+      "| hops searched right, of those attempted | "
+      + " | ".join(f"{100 * r['right_rate']:.1f}% of {r['attempted']}" for r in rates)
+      + " |"
+    )
   skipped = [d.get("skipped", 0) for d in (s["chain_breaks_sft"], s["chain_breaks_rl"])]
   if any(skipped):
     lines.append(f"| unreadable episodes (skipped) | {skipped[0]} | {skipped[1]} |")

@@ -34,6 +34,8 @@ KINDS = (
   "wrong entity", "wrong relation", "wrong entity and relation", "start not identified",
   "answered early", "stopped", "all hops searched",
 )  # fmt: skip
+# The kinds that are a hop searched wrong (the others end a chain without a wrong search).
+WRONG_KINDS = KINDS[:4]
 _SEARCH = re.compile(r"<search>\s*(.*?)\s*</search>", re.S)
 
 
@@ -71,7 +73,10 @@ def first_break(q: SynthQuestion, queries: Sequence[str], *, answered: bool) -> 
 
 
 def tally(breaks: Iterable[tuple[str, int]]) -> dict[str, Any]:
-  """{"episodes": n, kind: {"count", "share", "by_hop": {hop: count}}} over every kind."""
+  """{"episodes": n, kind: {"count", "share", "by_hop": {hop: count}}} over every kind, and
+  "hops": how many hops the episodes attempted and got wrong. Its `right_rate` is what bounds
+  long chains: at a rate r, a k-hop chain is searched right about r**k of the time, however
+  persistent the agent."""
   items = list(breaks)
   by_kind: dict[str, collections.Counter] = {k: collections.Counter() for k in KINDS}
   for kind, hop in items:
@@ -85,6 +90,13 @@ def tally(breaks: Iterable[tuple[str, int]]) -> dict[str, Any]:
       "share": count / n if n else 0.0,
       "by_hop": {str(h): c for h, c in sorted(hops.items())},
     }
+  wrong = sum(kind in WRONG_KINDS for kind, _ in items)
+  attempted = sum(hop + (kind in WRONG_KINDS) for kind, hop in items)  # the hops before, right
+  out["hops"] = {
+    "attempted": attempted,
+    "wrong": wrong,
+    "right_rate": 1 - wrong / attempted if attempted else None,
+  }
   return out
 
 

@@ -301,6 +301,9 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert sum(v["samples"] for v in s["accuracy_by_hops_sft"].values()) == 4 * 2
   assert s["chain_breaks_sft"] == breaks  # the same evaluation, reused
   assert s["chain_breaks_rl"]["episodes"] == 4 * 2
+  rate = s["hop_search_rate_rl"]  # None when no episode attempted a hop
+  assert (rate is None) == (s["chain_breaks_rl"]["hops"]["attempted"] == 0)
+  assert rate is None or 0 <= rate <= 1
   assert "Where the chains broke" in (run_dir / "report" / "long_horizon.md").read_text()
   assert s["replay_buckets"] and all(b["trained"] >= 0 for b in s["replay_buckets"].values())
   assert s["limit_hits"]["train_trajectories"] >= 4

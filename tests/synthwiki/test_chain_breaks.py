@@ -71,8 +71,19 @@ def test_an_evaluation_record_is_read_through_its_act_turns():
 
 def test_tally_counts_every_kind_by_hop():
   t = tally([("wrong entity", 0), ("wrong entity", 0), ("wrong relation", 2), ("stopped", 1)])
-  assert t["episodes"] == 4 and set(t) == {"episodes", *KINDS}
+  assert t["episodes"] == 4 and set(t) == {"episodes", "hops", *KINDS}
   assert t["wrong entity"] == {"count": 2, "share": 0.5, "by_hop": {"0": 2}}
   assert t["wrong relation"]["by_hop"] == {"2": 1}
   assert sum(t[k]["count"] for k in KINDS) == 4
   assert tally([])["episodes"] == 0 and tally([])["stopped"]["share"] == 0.0
+
+
+def test_tally_counts_the_hops_searched_right_of_those_attempted():
+  # hop 0 wrong (1 attempted), hop 2 wrong (3: two right first), answered at hop 1 (1 right),
+  # all 3 hops right: 8 attempted, 2 wrong.
+  t = tally(
+    [("wrong entity", 0), ("wrong relation", 2), ("answered early", 1), ("all hops searched", 3)]
+  )
+  assert t["hops"] == {"attempted": 8, "wrong": 2, "right_rate": 0.75}
+  assert tally([("start not identified", 0)])["hops"]["right_rate"] == 0.0
+  assert tally([])["hops"] == {"attempted": 0, "wrong": 0, "right_rate": None}
