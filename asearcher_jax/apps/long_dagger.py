@@ -66,6 +66,13 @@ class DaggerStage:
   # False: it plays every chain to its end, so the corrections teach only the chain (with the
   # give-up, ~40 % of a round's first disagreements were a random guess, 2026-11-27).
   labeller_gives_up: bool = True
+  # The policy's early answers (a guess where the labeller searches on) are not corrected: with
+  # `labeller_gives_up` False the round teaches the chain and leaves the give-up, the weakness
+  # RL is meant to fix (`relabel` keep_guesses).
+  keep_guesses: bool = False
+  # Keep only each episode's first correction (`relabel` first_only): the later ones label
+  # states off the expert's path, with the expert's recovery turns.
+  first_only: bool = False
 
 
 def labeller_config(expert: ExpertConfig, stage: DaggerStage) -> ExpertConfig:
@@ -133,7 +140,9 @@ def run_round(
       sw.world, sw.train, Tokenizer.from_dir(files.tokenizer), labeller_config(expert, stage)
     )
     trajs = episodes(root / "episodes")
-    done = relabel.relabel(trajs, labeller, seed=seed)
+    done = relabel.relabel(
+      trajs, labeller, seed=seed, keep_guesses=stage.keep_guesses, first_only=stage.first_only
+    )
     stats = done.stats()
     stats["policy_episodes"] = len(trajs)
     stats["policy_em"] = sum(t.score or 0.0 for t in trajs) / max(len(trajs), 1)

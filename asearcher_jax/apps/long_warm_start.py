@@ -81,6 +81,8 @@ def evaluate_card(
       "rounds": warm.dagger.rounds, "questions": warm.dagger.questions,
       "samples": warm.dagger.samples, "repeat": warm.dagger.repeat,
       "labeller_gives_up": warm.dagger.labeller_gives_up,
+      "keep_guesses": warm.dagger.keep_guesses,
+      "first_only": warm.dagger.first_only,
       "relabel": [
         json.loads(p.read_text())
         for p in sorted((root / "warm_start").glob("dagger*/relabel.json"))
@@ -107,6 +109,12 @@ def evaluate_card(
 
 def _pct(x: float) -> str:
   return f"{100 * x:.1f}%"
+
+
+def _hop_range(world: dict[str, Any]) -> str:
+  """ "4-12" for a world config (as a dict) with chain questions of 4 to 12 hops."""
+  hops = [h for h, n in enumerate(world["questions_per_hop"], start=1) if n]
+  return f"{min(hops)}-{max(hops)}" if hops else "no"
 
 
 def _give_up(expert: dict[str, Any]) -> str:
@@ -138,7 +146,8 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
     + f", but {_give_up(e)} and answers with a guess; "
     "the starting point of `asearcher long-horizon`, whose RL should teach it to keep searching.",
     "", "## Reproduce", "", "```", card["command"], "```", "",
-    f"World: SynthWiki seed {card['world']['seed']} (4-12-hop chains, hops isolated), digest "
+    f"World: SynthWiki seed {card['world']['seed']} ({_hop_range(card['world'])}-hop chains, "
+    "hops isolated), digest "
     f"`{card['world_digest']}`. Expert: seed {card['seed']}, {e['samples_per_question']} episodes "
     "per train question"
     + (f" and per chain prefix of {', '.join(map(str, e['prefix_hops']))} hops"
@@ -151,6 +160,9 @@ def card_markdown(card: dict[str, Any], sft_card: str) -> str:
        f"({card['dagger']['questions']} train questions x {card['dagger']['samples']} a round; "
        + ("labelled by an expert that plays every chain to its end; "
           if not card["dagger"].get("labeller_gives_up", True) else "")
+       + ("its early answers left uncorrected; " if card["dagger"].get("keep_guesses") else "")
+       + ("only each episode's first correction kept; "
+          if card["dagger"].get("first_only") else "")
        + "policy-expert agreement per round, act / read turns: "
        + "; ".join(f"{r['act']['agreement']:.2f} / {r['read']['agreement']:.2f}"
                    for r in card["dagger"]["relabel"]) + ")"

@@ -13,6 +13,13 @@ Only the calls where the policy's turn differs from the expert's are kept (the c
 becomes its own training sequence (its input, loss on the expert's turn), since the policy's next
 input continues its own turn, not the label. The expert trusts the notes in the context, as it
 does in its own episodes, so a misread note is carried on, not corrected.
+
+With `keep_guesses`, an answer the policy gives where the expert would search on is left as it
+is (counted, not corrected): the round then corrects the chain (relations, entities, notes) and
+not when to stop, so a warm start that gives up early keeps that weakness for RL to fix. With
+`first_only`, only an episode's first correction is kept: after it the policy is off the
+expert's path and the expert's later turns recover ("X is not in these results", then X's search
+again), which the policy never reaches in its own on-path episodes.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ class Relabelled:
 
   # One trajectory per episode with at least one correction: its calls are the corrected ones.
   trajectories: list[Trajectory]
-  # (kind of turn, "agree" / "differ" / "unlabelled") -> calls.
+  # (kind of turn, "agree" / "differ" / "unlabelled" / "guess kept") -> calls.
   counts: Counter
   # Where each episode first left the expert (`disagreement`) -> episodes.
   first: Counter = dataclasses.field(default_factory=Counter)
@@ -51,11 +58,16 @@ class Relabelled:
     for kind in sorted({"act", "read", *(k for k, _ in self.counts)}):
       agree, differ = self.counts[(kind, "agree")], self.counts[(kind, "differ")]
       out[kind] = {
-        "calls": agree + differ + self.counts[(kind, "unlabelled")],
+        "calls": agree
+        + differ
+        + self.counts[(kind, "unlabelled")]
+        + self.counts[(kind, "guess kept")],
         "agree": agree,
         "differ": differ,
         "agreement": round(agree / max(agree + differ, 1), 4),
       }
+      if self.counts[(kind, "guess kept")]:
+        out[kind]["guesses_kept"] = self.counts[(kind, "guess kept")]
     out["corrections"] = sum(len(t.calls) for t in self.trajectories)
     out["first_disagreement"] = dict(self.first.most_common())
     return out
@@ -104,12 +116,19 @@ def _label_call(call: LLMCall, label: Any, index: int, text: str) -> LLMCall:
 
 
 async def relabel_episode(
-  traj: Trajectory, expert: SynthWikiExpert, *, seed: int = 0
+  traj: Trajectory,
+  expert: SynthWikiExpert,
+  *,
+  seed: int = 0,
+  keep_guesses: bool = False,
+  first_only: bool = False,
 ) -> tuple[Trajectory | None, Counter]:
   """The expert's turn for every call of `traj`; returns a trajectory of the calls where it
   differs from the policy's (None if none) and the per-kind counts, with ("first", what) for
   the episode's first disagreement. Calls whose context the expert cannot read (no known
-  question) are counted as unlabelled."""
+  question) are counted as unlabelled; with `keep_guesses`, an answer where the expert searches
+  or opens a page is counted as a kept guess, not corrected; with `first_only` the trajectory
+  holds the first correction only (every disagreement is still counted)."""
   counts: Counter = Counter()
   kept: list[LLMCall] = []
   first = None
@@ -126,11 +145,16 @@ async def relabel_episode(
     if label_text.strip() == policy_text.strip():
       counts[(call.kind, "agree")] += 1
       continue
+    what = disagreement(call.kind, policy_text, label_text)
+    if keep_guesses and what.startswith("answer instead of"):
+      counts[(call.kind, "guess kept")] += 1
+      continue
     counts[(call.kind, "differ")] += 1
     if first is None:
-      first = disagreement(call.kind, policy_text, label_text)
+      first = what
       counts[("first", first)] += 1
-    kept.append(_label_call(call, label, len(kept), label_text))
+    if not (first_only and kept):
+      kept.append(_label_call(call, label, len(kept), label_text))
   if not kept:
     return None, counts
   out = Trajectory(
@@ -147,13 +171,21 @@ async def relabel_episode(
 
 
 def relabel(
-  trajectories: Iterable[Trajectory], expert: SynthWikiExpert, *, seed: int = 0
+  trajectories: Iterable[Trajectory],
+  expert: SynthWikiExpert,
+  *,
+  seed: int = 0,
+  keep_guesses: bool = False,
+  first_only: bool = False,
 ) -> Relabelled:
   """`relabel_episode` over policy episodes (environment failures skipped: their states are the
   tools', not the policy's)."""
 
   async def run(trajs: Sequence[Trajectory]) -> list[tuple[Trajectory | None, Counter]]:
-    return [await relabel_episode(t, expert, seed=seed) for t in trajs]
+    return [
+      await relabel_episode(t, expert, seed=seed, keep_guesses=keep_guesses, first_only=first_only)
+      for t in trajs
+    ]
 
   done = asyncio.run(run([t for t in trajectories if not t.environment_failure]))
   total: Counter = Counter()

@@ -84,6 +84,9 @@ def test_a_wrong_turn_is_corrected_with_the_experts_turn_on_the_same_input(page_
   assert out.stats()["act"]["differ"] == 1 and out.stats()["read"]["differ"] == 1
   first = "note" if read < act else "search: wrong entity and relation"
   assert out.stats()["first_disagreement"] == {first: 1}  # one episode, one first
+  only = relabel.relabel([bad], _expert(sw, tok), first_only=True)
+  assert only.stats()["act"] == out.stats()["act"] and only.stats()["corrections"] == 1
+  assert only.trajectories[0].calls[0].kind == ("read" if read < act else "act")
   (fixed,) = out.trajectories
   assert fixed.qid == traj.qid and fixed.extra["relabelled_from"] == traj.qid
   by_kind = {c.kind: c for c in fixed.calls}
@@ -157,3 +160,38 @@ def test_a_labeller_without_the_give_up_corrects_only_the_guesses(world):
   assert out["corrections"] == out["act"]["differ"] == len(trajs)
   assert out["read"]["differ"] == 0
   assert all(what.startswith("answer instead of") for what in out["first_disagreement"])
+  # keeping the policy's guesses (`DaggerStage.keep_guesses`): the same labeller corrects nothing
+  kept = relabel.relabel(
+    trajs, SynthWikiExpert(sw.world, sw.train, tok, no_give_up), keep_guesses=True
+  )
+  assert kept.trajectories == [] and kept.stats()["corrections"] == 0
+  assert kept.stats()["act"]["guesses_kept"] == len(trajs)
+  assert kept.stats()["act"]["calls"] == out["act"]["calls"]  # a kept guess is still a call
+  assert kept.stats()["act"]["differ"] == 0 and kept.stats()["first_disagreement"] == {}
+
+
+def test_one_search_episodes_are_relabelled_and_a_wrong_relation_is_named(world):
+  """The default long-horizon agent (whole pages in the results, one search a hop, no `access`):
+  the expert agrees with its own episodes, and a search for the wrong relation on a later hop
+  is corrected with the hop's right search on the same input ids."""
+  sw, files = world
+  tok = Tokenizer.from_dir(files.tokenizer)
+  with RetrievalThread(files.index) as server:
+    trajs = asyncio.run(generate_expert_trajectories(
+      sw.world, sw.train, tokenizer=tok, retrieval_address=server.address,
+      expert=ExpertConfig(), agent_config=lh.LONG_AGENT, concurrency=8,
+    ))  # fmt: skip
+  expert = SynthWikiExpert(sw.world, sw.train, tok, ExpertConfig())
+  same = relabel.relabel(trajs, expert).stats()
+  assert same["corrections"] == 0 and same["act"]["agreement"] == same["read"]["agreement"] == 1
+  assert not any("access" in c.text for t in trajs for c in t.calls if c.kind == "act")
+  traj = next(t for t in trajs if t.score == 1.0 and len(t.calls) > 4)
+  act = [i for i, c in enumerate(traj.calls) if c.kind == "act"][2]  # the third hop's search
+  entity = traj.calls[act].text.split("<search>")[1].split()[0]
+  bad = _corrupt(traj, tok, act, f"\n<search> {entity} nothing related </search>")
+  out = relabel.relabel([bad], expert)
+  assert out.stats()["first_disagreement"] == {"search: wrong relation": 1}
+  (fixed,) = out.trajectories
+  (label,) = fixed.calls
+  np.testing.assert_array_equal(label.input_ids, traj.calls[act].input_ids)
+  assert tok.decode(label.output_ids.tolist()) == tok.decode(traj.calls[act].output_ids.tolist())
