@@ -112,7 +112,7 @@ def _pct(x: float) -> str:
 
 
 def _hop_range(world: dict[str, Any]) -> str:
-  """ "4-12" for a world config (as a dict) with chain questions of 4 to 12 hops."""
+  """The chain lengths of a world config (as a dict), e.g. "4-12", for the card's text."""
   hops = [h for h, n in enumerate(world["questions_per_hop"], start=1) if n]
   return f"{min(hops)}-{max(hops)}" if hops else "no"
 

@@ -57,11 +57,9 @@ class Relabelled:
     out: dict[str, Any] = {"episodes": len(self.trajectories)}
     for kind in sorted({"act", "read", *(k for k, _ in self.counts)}):
       agree, differ = self.counts[(kind, "agree")], self.counts[(kind, "differ")]
+      calls = sum(self.counts[(kind, w)] for w in ("agree", "differ", "unlabelled", "guess kept"))
       out[kind] = {
-        "calls": agree
-        + differ
-        + self.counts[(kind, "unlabelled")]
-        + self.counts[(kind, "guess kept")],
+        "calls": calls,
         "agree": agree,
         "differ": differ,
         "agreement": round(agree / max(agree + differ, 1), 4),

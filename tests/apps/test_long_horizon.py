@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from asearcher_jax.apps import long_dagger
+from asearcher_jax.apps import long_dagger, long_warm_start
 from asearcher_jax.apps import long_horizon as lh
 from asearcher_jax.apps import long_horizon_report as report
 from asearcher_jax.apps import quickstart as qs
@@ -380,3 +380,10 @@ def test_limit_counters_add_up_over_the_lives_of_a_resumed_run():
   assert report.run_total(rows, key) == 7 + 4 + 3
   assert report.run_total(rows[:3], key) == 7  # one life: its last value
   assert report.run_total([], key) == 0.0
+
+
+def test_the_warm_start_card_names_the_worlds_chain_lengths():
+  """The card's world line is read from the world's config, not written for the default one."""
+  assert long_warm_start._hop_range(dataclasses.asdict(lh.LONG_WORLD)) == "4-12"
+  assert long_warm_start._hop_range(dataclasses.asdict(lh.LONGER_WORLD)) == "4-16"
+  assert long_warm_start._hop_range({"questions_per_hop": (0, 5, 0, 3)}) == "2-4"
