@@ -284,7 +284,8 @@ def long_horizon(
       (`warm`), evaluated and given a card (run_dir/warm_start/model_card.md).
     world: the SynthWiki world (long, hop-isolated chains).
     warm: the in-run warm start (expert's give-up range, SFT recipe).
-    temperature: sampling temperature of evaluation and RL.
+    temperature: sampling temperature of RL (and of the evaluations, unless `evaluation`
+      names its own).
     evaluation / rl: the quickstart's evaluation and RL stages.
     agent / engine: the agent's budgets (must fit 30 tool calls) and the engine's context.
     long_hops: questions of at least this many hops are the "long" ones of the summary.
@@ -316,8 +317,8 @@ def long_horizon(
     warm_start_dir = str(model_dir)
     card = long_warm_start.evaluate_card(
       root, model_dir, files, world=world, warm=warm, expert_stats=expert_stats,
-      evaluation=evaluation, temperature=temperature, agent=agent, engine=engine,
-      long_hops=long_hops,
+      evaluation=evaluation, temperature=evaluation.eval_temperature(temperature), agent=agent,
+      engine=engine, long_hops=long_hops,
     )  # fmt: skip
     dest = Path(warm.ship_to) if warm.ship_to else None
     long_warm_start.write_and_ship(root / "warm_start", model_dir, card, dest)

@@ -284,7 +284,8 @@ def per_hop_words(doc_sentences: int) -> str:
 def format_markdown(s: Mapping[str, Any]) -> str:
   lines = [
     "# Long-horizon SynthWiki run", "",
-    f"Held-out questions of >= {s['long_hops']} hops ({s['long_questions']} questions):", "",
+    f"Held-out questions of >= {s['long_hops']} hops ({s['long_questions']} questions), "
+    f"{temperature_words(s)}:", "",
     "| | warm start | after RL |", "|---|---|---|",
     f"| Avg@{s['k']} EM | {100 * s['avg4_sft_long']:.1f}% | {100 * s['avg4_rl_long']:.1f}% |",
     f"| tool calls / trajectory | {s['tool_calls_sft_long']:.2f} | {s['tool_calls_rl_long']:.2f} |",
@@ -322,6 +323,16 @@ def format_markdown(s: Mapping[str, Any]) -> str:
             f"Bars: {json.dumps(s['bars'])}", "",
             f"Wall time {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB.", ""]  # fmt: skip
   return "\n".join(lines)
+
+
+def temperature_words(s: Mapping[str, Any]) -> str:
+  """ "sampled at T 0.6 (RL at T 1.0)": which policy the Avg@k measures (summaries written before
+  the evaluation temperature was separate carry neither key)."""
+  t_eval, t_rl = s.get("temperature_eval"), s.get("temperature_rl")
+  if t_eval is None:
+    return "sampled at the RL temperature"
+  rl = "" if t_eval == t_rl else f" (RL at T {float(t_rl)})"
+  return f"sampled at T {float(t_eval)}{rl}"
 
 
 def break_cell(breaks: Mapping[str, Any], kind: str) -> str:

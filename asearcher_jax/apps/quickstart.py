@@ -225,9 +225,19 @@ class QuickstartEval:
   concurrency: int = 32
   # Evaluation seed (runs use seed + r); also the RL rollout's seed.
   seed: int = 0
+  # Sampling temperature of the held-out evaluations; None: the RL temperature (the quickstart
+  # measures the policy RL samples). ASearcher trains at 1.0 and reports Avg@4 at 0.6.
+  temperature: float | None = None
   # Compile every engine shape before the first evaluation, so that its times are serving times;
   # False compiles each shape on first use (CI-size runs, which use few of them).
   engine_warmup: bool = True
+
+  def eval_temperature(self, rl_temperature: float) -> float:
+    """The temperature the evaluations sample at, given the run's RL temperature."""
+    t = rl_temperature if self.temperature is None else self.temperature
+    if not t >= 0:
+      raise AsearcherError(f"QuickstartEval.temperature must be >= 0 (got {self.temperature})")
+    return t
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -300,12 +310,13 @@ def quickstart(
     warm_start_dir: an SFT model directory (config.json, safetensors, tokenizer); default: the
       shipped SynthWiki warm start.
     world: the SynthWiki world; must be the warm start's (checked through its tokenizer).
-    temperature: sampling temperature of evaluation and RL alike.
-    evaluation: the held-out evaluation (questions, k, concurrency, seed).
+    temperature: sampling temperature of RL, and of the evaluation unless it names its own.
+    evaluation: the held-out evaluation (questions, k, concurrency, seed, temperature).
     rl: the RL stage (time budget, B, n, eta, learner, question pool).
     agent / engine: the agent's budgets and the in-process engine's slots and context.
   """
   ev = evaluation
+  eval_temperature = ev.eval_temperature(temperature)
   t0 = time.time()
   root = Path(run_dir)
   warm = Path(warm_start_dir) if warm_start_dir else DEFAULT_WARM_START
@@ -364,13 +375,14 @@ def quickstart(
       )  # fmt: skip
       # Compile every prefill/decode shape now, so evaluation times are not compile times.
       if ev.engine_warmup:
-        warm_s = run.engine.warmup(modes=("sample",) if temperature > 0 else ("greedy",))
+        modes = {"sample" if t > 0 else "greedy" for t in (temperature, eval_temperature)}
+        warm_s = run.engine.warmup(modes=tuple(sorted(modes)))
         log.info("engine warmup: %.1f s", warm_s)
     try:
       common = dict(
         client=run.driver, tokenizer=run.tokenizer, questions=files.test,
-        retrieval_address=server.address, k=ev.k, limit=ev.questions, temperature=temperature,
-        agent=agent, concurrency=ev.concurrency, seed=ev.seed,
+        retrieval_address=server.address, k=ev.k, limit=ev.questions,
+        temperature=eval_temperature, agent=agent, concurrency=ev.concurrency, seed=ev.seed,
       )  # fmt: skip
       with tracker.stage("eval_sft"):
         before = evaluate(**common, out_dir=root / "eval", policy=f"sft:{model_dir_id(warm)}")
@@ -408,6 +420,7 @@ def quickstart(
       "tool_calls_first_steps": report.window_mean(tool_calls, first=True),
       "tool_calls_last_steps": report.window_mean(tool_calls, first=False),
       "rl_steps": version, "rl_resumed_from": resumed, "eta": rl.max_staleness,
+      "temperature_rl": temperature, "temperature_eval": eval_temperature,
       "k": ev.k, "num_test_questions": before["n"], "world_seed": world.seed,
       "world_digest": files.digest, "warm_start": str(warm),
       "stages": tracker.timings(),

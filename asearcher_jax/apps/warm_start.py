@@ -187,7 +187,8 @@ def warm_start(
     hasty: the hasty stage's early-answer probability (0 skips it) and its fine-tuning.
     evaluation: held-out questions, k and concurrency (the quickstart's evaluation settings);
       its seed is the evaluation's.
-    temperature: sampling temperature of the Avg@k / Pass@k evaluation.
+    temperature: sampling temperature of the Avg@k / Pass@k evaluation (unless `evaluation`
+      names its own).
     engine: the evaluation engine's slots, context and prefill buckets.
     agent: the evaluation agent's budgets (turns, tokens); the quickstart's by default.
     ship_to: copy the model directory and its card here (the quickstart's default is
@@ -222,8 +223,8 @@ def warm_start(
     model_dir = out / "hasty" / "sft" / "model"
   with tracker.stage("eval"):
     scores = evaluate_model_dir(
-      model_dir, files, out / "eval", evaluation=evaluation, temperature=temperature,
-      engine=engine, agent=agent,
+      model_dir, files, out / "eval", evaluation=evaluation,
+      temperature=evaluation.eval_temperature(temperature), engine=engine, agent=agent,
     )  # fmt: skip
   with tracker.stage("card"):
     card = {

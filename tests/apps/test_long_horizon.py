@@ -242,7 +242,8 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   # with the agent's limits at 3 tool calls and a 512-token engine (one prefill shape).
   common = dict(
     run_dir=str(run_dir), warm_start_dir=None, world=TINY_LONG, warm=warm,
-    evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8),
+    # Evaluated at T 0.5, RL at the default T 1.0 (ASearcher: Avg@4 at 0.6, training at 1.0).
+    evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8, temperature=0.5),
     rl=qs.QuickstartRL(seconds=1.0, batch_groups=1, group_size=4, max_concurrent=2,
                        questions="train", batch_timeout_s=300.0, micro_rows=2, reward="smoke"),
     agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=512, max_new_tokens=32),
@@ -288,6 +289,10 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   sft_evals = [c.parent for c in (run_dir / "eval").glob("*/config.json")
                if json.loads(c.read_text())["policy"].startswith("sft:")]  # fmt: skip
   assert len(sft_evals) == 1
+  evals = [json.loads(c.read_text()) for c in (run_dir / "eval").glob("*/config.json")]
+  assert sorted(e["policy"][:3] for e in evals) == ["rl:", "sft"]
+  assert all(e["sampling"]["temperature"] == 0.5 for e in evals)
+  assert card["temperature"] == 0.5
   s = json.loads((run_dir / "report" / "summary.json").read_text())
   for key in ("avg4_sft_long", "avg4_rl_long", "tool_calls_sft_long", "tool_calls_rl_long",
               "max_tool_calls_train", "wall_s", "peak_rss_mb"):  # fmt: skip
@@ -310,6 +315,8 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert set(s["bars"]) >= {"tool_calls_rl_long>=10", "avg4_long_gain>=10pt"}
   assert s["warm_start_expert"]["trajectories"] > 0
   assert (run_dir / "report" / "long_horizon.md").read_text().startswith("# Long-horizon")
+  assert (s["temperature_eval"], s["temperature_rl"]) == (0.5, 1.0)
+  assert "sampled at T 0.5 (RL at T 1.0)" in (run_dir / "report" / "long_horizon.md").read_text()
   # A page-reading warm start fine-tuned from the shipped one (`init_from`): snippets in the
   # search results, the expert opens a page after its searches, SFT starts from those weights.
   pages = dataclasses.replace(

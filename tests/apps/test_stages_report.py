@@ -104,3 +104,11 @@ def test_ship_copies_the_model_and_points_its_card_at_the_copy(tmp_path):
   ]  # fmt: skip
   card = (dest / "model_card.md").read_text()
   assert f'model_dir="{dest}"' in card and str(model) not in card
+
+
+def test_the_evaluation_samples_at_its_own_temperature_or_the_rl_one():
+  assert pipeline.QuickstartEval().eval_temperature(1.0) == 1.0
+  assert pipeline.QuickstartEval(temperature=0.6).eval_temperature(1.0) == 0.6
+  assert pipeline.QuickstartEval(temperature=0.0).eval_temperature(1.0) == 0.0  # greedy
+  with pytest.raises(AsearcherError, match=r"QuickstartEval\.temperature must be >= 0"):
+    pipeline.QuickstartEval(temperature=-0.1).eval_temperature(1.0)
