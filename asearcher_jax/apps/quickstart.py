@@ -232,12 +232,15 @@ class QuickstartEval:
   # False compiles each shape on first use (CI-size runs, which use few of them).
   engine_warmup: bool = True
 
+  def __post_init__(self) -> None:
+    # Checked when the config is built, not when the first evaluation starts (the long-horizon
+    # run evaluates only after its warm start).
+    if self.temperature is not None and not self.temperature >= 0:
+      raise AsearcherError(f"QuickstartEval.temperature must be >= 0 (got {self.temperature})")
+
   def eval_temperature(self, rl_temperature: float) -> float:
     """The temperature the evaluations sample at, given the run's RL temperature."""
-    t = rl_temperature if self.temperature is None else self.temperature
-    if not t >= 0:
-      raise AsearcherError(f"QuickstartEval.temperature must be >= 0 (got {self.temperature})")
-    return t
+    return rl_temperature if self.temperature is None else self.temperature
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

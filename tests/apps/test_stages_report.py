@@ -111,4 +111,4 @@ def test_the_evaluation_samples_at_its_own_temperature_or_the_rl_one():
   assert pipeline.QuickstartEval(temperature=0.6).eval_temperature(1.0) == 0.6
   assert pipeline.QuickstartEval(temperature=0.0).eval_temperature(1.0) == 0.0  # greedy
   with pytest.raises(AsearcherError, match=r"QuickstartEval\.temperature must be >= 0"):
-    pipeline.QuickstartEval(temperature=-0.1).eval_temperature(1.0)
+    pipeline.QuickstartEval(temperature=-0.1)
