@@ -3,7 +3,7 @@
 A warm start cloned from the expert's episodes meets, in its own episodes, contexts the expert
 never showed it (one wrong relation, entity or URL and every later turn is off the expert's
 path), and it has learned nothing there. Each round runs the current model on train questions
-(real agent, real tools, the evaluation's temperature), takes the scripted expert's turn wherever
+(real agent, real tools, the RL temperature), takes the scripted expert's turn wherever
 the model's differs (`synthwiki.relabel`), and fine-tunes the model on those corrections together
 with the SFT's own data, so that what it learned from the expert is kept. Every piece resumes:
 the episodes are evaluation snapshots, the corrections a file written once, the fine-tune an
