@@ -146,6 +146,25 @@ class Checkpointer:
       ) from e
     return step, {name: restored[name] for name in targets}
 
+  def restore_part(self, name: str, key: str, target: Any, step: int) -> Any:
+    """Only `key` of the array item `name` (a TrainState's "params"), restored as host numpy
+    arrays in the dtypes they were saved in; the rest of the item (optimizer state: twice the
+    parameters under Adam) is never read. `target` gives the structure and shapes."""
+    if step not in self.all_steps():
+      raise CheckpointError(f"no checkpoint for step {step} in {self.cfg.directory!r}")
+    path = epath.Path(self._directory) / str(step) / name
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(restore_type=np.ndarray), target)
+    args = ocp.args.PyTreeRestore(
+      item={key: target}, restore_args={key: restore_args}, partial_restore=True
+    )
+    try:
+      with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(path, args=args)[key]
+    except (FileNotFoundError, KeyError, ValueError) as e:
+      raise CheckpointError(
+        f"cannot restore {name}.{key} of step {step} from {self.cfg.directory!r}: {e}"
+      ) from e
+
   def restore_latest(self, targets: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
     """Like `restore(targets)`, but a newest checkpoint that cannot be read (a crash or a bad
     disk mid-write, a file gone) is skipped, loudly, for the one before it; each skip is kept

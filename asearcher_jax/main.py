@@ -39,6 +39,7 @@ SUBCOMMANDS: dict[str, str] = {
   "warm-start": "asearcher_jax.apps.warm_start:warm_start",
   "long-horizon": "asearcher_jax.apps.long_horizon:long_horizon",
   "inspect": "asearcher_jax.apps.inspect:inspect",
+  "export": "asearcher_jax.apps.export:export",
   "plan": "asearcher_jax.apps.plan:plan",
   "sweep": "asearcher_jax.apps.sweep:sweep",
 }

@@ -56,6 +56,7 @@ TINY_RUN_TESTS = (
   "tests/notebooks/",
   "tests/apps/test_pipeline_e2e.py::test_quickstart_ci_size_trains_on_accepted_groups_and_reports",
   "tests/apps/test_plan_sweep.py::test_sweep_of_the_ci_sized_quickstart",
+  "tests/apps/test_export.py::test_export_of_the_quickstart_run_is_its_newest_checkpoint",
 )
 
 

@@ -41,7 +41,7 @@ from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.data.qa import QAExample, load_training_qa
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metric_writer import MetricWriter
-from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.model.config import ModelConfig, to_hf_config
 from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.episodes import EPISODES_FILE, EpisodeLog
 from asearcher_jax.rl.inflight import ResumeLog
@@ -148,6 +148,9 @@ class TrainRun:
 # Where the run's own retrieval server announces its address (inside run_dir).
 RETRIEVAL_ADDRS = "retrieval_addrs"
 RESUME_LOG = "rollout/resumed.jsonl"  # one line per episode resumed from its journal
+# The trained policy's Hugging Face config.json (its architecture and dtype), written when the run
+# starts, so that a checkpoint's parameters can be exported without the model they started from.
+POLICY_CONFIG = "policy_config.json"
 
 
 def build_run(
@@ -232,6 +235,8 @@ def build_run(
   )
   if not (run / "tokenizer" / "tokenizer.json").exists():  # the vocabulary of the exported ids
     policy.tokenizer.save(run / "tokenizer")
+  if not (run / POLICY_CONFIG).exists():  # with the tokenizer: all `asearcher export` needs
+    (run / POLICY_CONFIG).write_text(json.dumps(to_hf_config(policy.module.cfg), indent=2) + "\n")
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(run / "metrics")
   trainer = Trainer(

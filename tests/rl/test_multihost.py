@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,9 +27,12 @@ import pytest
 from flax import nnx
 
 from asearcher_jax import distributed
+from asearcher_jax.apps import export as export_lib
+from asearcher_jax.apps.train import POLICY_CONFIG
 from asearcher_jax.model import hf_io
 from asearcher_jax.model.sharding import MeshConfig
 from asearcher_jax.serving.weights_dir import load_version, version_dir, versions
+from asearcher_jax.tokenizer import Tokenizer
 from tests.processes import finish, free_port, kill
 from tests.rl.test_trainer_e2e import pending_on_disk, replay_logs
 
@@ -169,6 +173,18 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
   # The HF export of the final policy: tensors sharded over both processes were gathered, and
   # the checkpoint process 0 wrote loads back to the same parameters.
   model, _ = hf_io.load(run_dir / "export")
+  assert_params_close(flat_params(nnx.split(model)[1]), params(reference, STEPS))
+  # `asearcher export` in one process reads the checkpoint both processes wrote (each its own
+  # shards) into the same parameters: a pod's checkpoint leaves the pod. The worker's files laid
+  # out as `asearcher train` lays out a run (checkpoints/, tokenizer/, policy_config.json).
+  pod = tmp_path / "pod_run"
+  pod.mkdir()
+  (pod / "checkpoints").symlink_to(run_dir / "ckpt")
+  shutil.copy(run_dir / "export" / "config.json", pod / POLICY_CONFIG)
+  Tokenizer.qwen2().save(pod / "tokenizer")
+  assert export_lib.export(run_dir=str(pod), out_dir=str(tmp_path / "exported")) == 0
+  assert json.loads((tmp_path / "exported" / export_lib.EXPORTED_FROM).read_text())["step"] == STEPS
+  model, _ = hf_io.load(tmp_path / "exported")
   assert_params_close(flat_params(nnx.split(model)[1]), params(reference, STEPS))
 
 
