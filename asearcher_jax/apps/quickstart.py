@@ -26,11 +26,13 @@ import json
 import logging
 import resource
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from asearcher_jax.agent import AsearcherAgentConfig, Limits
 from asearcher_jax.agent.registry import agent_factory
+from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.apps import invocation, wiring
 from asearcher_jax.apps import quickstart_report as report
 from asearcher_jax.apps import train as rl_commands
@@ -44,11 +46,13 @@ from asearcher_jax.evaluation.runner import EvalRunner, RunnerConfig
 from asearcher_jax.model import steps
 from asearcher_jax.rl.learner import PPOConfig
 from asearcher_jax.rl.rollout import RolloutConfig
+from asearcher_jax.rl.scoring import Scorer, progress_scorer
 from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.serving.types import SamplingParams
-from asearcher_jax.synthwiki.questions import chain_prefixes, write_questions
+from asearcher_jax.synthwiki import chain_breaks
+from asearcher_jax.synthwiki.questions import SynthQuestion, chain_prefixes, write_questions
 from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
 from asearcher_jax.tools.search import LocalRetrievalConfig
 from asearcher_jax.tools.toolbox import make_toolbox
@@ -293,6 +297,16 @@ class QuickstartRL:
   # Shorter learner rows a minibatch packs into when its longest sequence fits
   # (`PPOConfig.short_row_lens`); None: half the engine's context.
   short_row_lens: tuple[int, ...] | None = None
+  # Weight of per-hop credit in the RL reward (`rl.scoring.progress_scorer`): (1 - w) x the answer
+  # reward + w x the fraction of a chain's hops searched right before its first wrong search
+  # (`synthwiki.chain_breaks.hops_searched`). 0: the ASearcher reward alone.
+  hop_credit: float = 0.0
+
+  def __post_init__(self) -> None:
+    if not 0 <= self.hop_credit < 1:
+      raise AsearcherError(f"QuickstartRL.hop_credit must be in [0, 1) (got {self.hop_credit})")
+    if self.hop_credit and self.prefix_hops:
+      raise AsearcherError("QuickstartRL.hop_credit does not credit prefix_hops questions: use one")
 
 
 def quickstart(
@@ -375,6 +389,7 @@ def quickstart(
         run_dir=str(root / "rl"),
         policy=wiring.policy(model_dir=str(warm), tokenizer_dir=str(warm)),
         items=rl_items,
+        scorer=hop_credit_scorer(sw.questions, rl.hop_credit) if rl.hop_credit else None,
       )  # fmt: skip
       # Compile every prefill/decode shape now, so evaluation times are not compile times.
       if ev.engine_warmup:
@@ -424,6 +439,7 @@ def quickstart(
       "tool_calls_last_steps": report.window_mean(tool_calls, first=False),
       "rl_steps": version, "rl_resumed_from": resumed, "eta": rl.max_staleness,
       "temperature_rl": temperature, "temperature_eval": eval_temperature,
+      "hop_credit": rl.hop_credit, "curriculum": rl.curriculum,
       "k": ev.k, "num_test_questions": before["n"], "world_seed": world.seed,
       "world_digest": files.digest, "warm_start": str(warm),
       "stages": tracker.timings(),
@@ -438,6 +454,19 @@ def quickstart(
   print(f"report: {out}/report.md, summary.json, training.png; tensorboard --logdir {root}/rl")
   print(json.dumps(summary), flush=True)
   return 0
+
+
+def hop_credit_scorer(questions: Sequence[SynthQuestion], weight: float) -> Scorer:
+  """The RL reward with per-hop credit on the world's chain questions (`QuickstartRL.hop_credit`);
+  other questions get the answer reward's share alone."""
+  by_id = {q.id: q for q in questions}
+
+  def progress(t: Trajectory) -> float | None:
+    q = by_id.get(t.qid)
+    acts = [c.action for c in t.calls if c.kind == "act"]
+    return None if q is None else chain_breaks.hops_searched(q, acts)
+
+  return progress_scorer(progress, weight)
 
 
 def model_dir_id(d: Path) -> str:

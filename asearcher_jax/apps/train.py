@@ -154,10 +154,16 @@ POLICY_CONFIG = "policy_config.json"
 
 
 def build_run(
-  config: TrainConfig, *, run_dir: str, policy: wiring.Policy, items: Sequence[QAExample]
+  config: TrainConfig,
+  *,
+  run_dir: str,
+  policy: wiring.Policy,
+  items: Sequence[QAExample],
+  scorer: Scorer | None = None,
 ) -> TrainRun:
   """Builds (does not start) a run of `config` in `run_dir`: `policy` is trained (the engine
-  gets its own copy of the parameters) on `items`; see `train`."""
+  gets its own copy of the parameters) on `items`; see `train`. `scorer` replaces the one
+  `config.reward` names (a program's own reward, e.g. per-hop credit on SynthWiki chains)."""
   run = Path(run_dir)
   remote_cfg = config.remote
   if remote_cfg.enabled and remote_cfg.weights_dir is None:
@@ -214,7 +220,8 @@ def build_run(
   if reward == "auto":
     reward = "answer" if policy.pretrained else "smoke"
     log.info("reward: %s (%s policy)", reward, "loaded" if policy.pretrained else "random")
-  scorer: Scorer = smoke_scorer if reward == "smoke" else answer_scorer(reward_lib.RewardConfig())
+  if scorer is None:
+    scorer = smoke_scorer if reward == "smoke" else answer_scorer(reward_lib.RewardConfig())
   engine_stats = drv.stats if remote is None else remote.stats
   controller = RolloutController(
     config=config.rollout,

@@ -35,6 +35,33 @@ def answer_scorer(config: reward_lib.RewardConfig | None = None) -> Scorer:
   return score
 
 
+def progress_scorer(
+  progress: Callable[[Trajectory], float | None],
+  weight: float,
+  config: reward_lib.RewardConfig | None = None,
+) -> Scorer:
+  """(1 - weight) x the ASearcher reward + weight x `progress(t)` (a fraction in [0, 1]; None:
+  no credit), the credit only where the format gate passes; sets `traj.score`. Why: a terminal
+  reward says a long chain failed, not at which step, so at a per-step success rate r a k-step
+  episode is rewarded ~r**k of the time; credit for the steps done right says which ones were."""
+  if not 0 <= weight < 1:
+    raise ValueError(f"progress weight must be in [0, 1), got {weight}")
+
+  def score(trajs: Sequence[Trajectory]) -> list[float | None]:
+    out = []
+    for t in trajs:
+      r = reward_lib.trajectory_reward(t, config)
+      if r.score is None:
+        t.score = None
+      else:
+        done = (progress(t) or 0.0) if r.format_ok else 0.0
+        t.score = (1 - weight) * r.score + weight * done
+      out.append(t.score)
+    return out
+
+  return score
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupScores:
   """The outcome of scoring one group.

@@ -72,6 +72,16 @@ def first_break(q: SynthQuestion, queries: Sequence[str], *, answered: bool) -> 
   return ("answered early" if answered else "stopped"), hop
 
 
+def hops_searched(q: SynthQuestion, actions: Iterable[str | None]) -> float | None:
+  """The fraction of chain `q`'s hops an episode's actions searched right, in order, before its
+  first wrong search (None for a question that is not a chain): the progress an RL reward can
+  credit per hop (`rl.scoring.progress_scorer`)."""
+  if q.kind != "chain":
+    return None
+  _, hop = first_break(q, search_queries(actions), answered=True)
+  return hop / q.hops
+
+
 def tally(breaks: Iterable[tuple[str, int]]) -> dict[str, Any]:
   """{"episodes": n, kind: {"count", "share", "by_hop": {hop: count}}} over every kind, and
   "hops": how many hops the episodes attempted and got wrong. Its `right_rate` is what bounds

@@ -112,3 +112,38 @@ def test_the_evaluation_samples_at_its_own_temperature_or_the_rl_one():
   assert pipeline.QuickstartEval(temperature=0.0).eval_temperature(1.0) == 0.0  # greedy
   with pytest.raises(AsearcherError, match=r"QuickstartEval\.temperature must be >= 0"):
     pipeline.QuickstartEval(temperature=-0.1)
+
+
+def test_hop_credit_rewards_the_hops_of_a_chain_searched_right():
+  import numpy as np
+
+  from asearcher_jax.agent.trajectory import LLMCall, Trajectory
+  from asearcher_jax.synthwiki.questions import SynthQuestion
+
+  chain = SynthQuestion(
+    id="q1", question="?", answer="1200", kind="chain", hops=3, start="Ana", start_type="person",
+    relations=("mentor", "born_in", "population"), bridges=("Bo", "Kel", "1200"),
+  )  # fmt: skip
+
+  def episode(qid, *actions, pred="Zed"):
+    calls = [
+      LLMCall(index=i, kind="act", input_ids=np.zeros(2, np.int32), output_ids=np.ones(1, np.int32),
+              logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32), stop_reason="stop",
+              max_new_tokens=8, text=a, action=a)
+      for i, a in enumerate(actions)
+    ]  # fmt: skip
+    return Trajectory(agent="t", question="?", qid=qid, answers=["1200"], pred_answer=pred,
+                      calls=calls)  # fmt: skip
+
+  score = pipeline.hop_credit_scorer([chain], 0.5)
+  two_right = episode("q1", "<search> Ana trained by </search>", "<search> Bo born in </search>",
+                      "<search> Kel trained by </search>", "<answer> Zed </answer>")  # fmt: skip
+  solved = episode("q1", "<search> Ana trained by </search>", "<search> Bo born in </search>",
+                   "<search> Kel population </search>", "<answer>1200</answer>", pred="1200")  # fmt: skip
+  unknown = episode("q9", "<answer>1200</answer>", pred="1200")  # not a world question
+  assert score([two_right, solved, unknown]) == pytest.approx([0.5 * 2 / 3, 1.0, 0.5])
+  assert pipeline.QuickstartRL().hop_credit == 0.0  # the ASearcher reward by default
+  with pytest.raises(AsearcherError, match=r"QuickstartRL\.hop_credit must be in \[0, 1\)"):
+    pipeline.QuickstartRL(hop_credit=1.0)
+  with pytest.raises(AsearcherError, match="prefix_hops"):
+    pipeline.QuickstartRL(hop_credit=0.3, prefix_hops=(1, 2))

@@ -110,3 +110,22 @@ def test_score_group_sets_scores():
   adv = reward.score_group(trajs)
   assert [t.score for t in trajs] == [1.0, 0.0, 0.0, None]
   assert adv == pytest.approx([2 / 3, -1 / 3, -1 / 3, None])
+
+
+def test_progress_scorer_blends_step_credit_into_the_answer_reward():
+  from asearcher_jax.rl.scoring import answer_scorer, progress_scorer
+
+  done = {"a": 1.0, "b": 0.5, "c": None}
+  score = progress_scorer(lambda t: done[t.qid], 0.25, reward.RewardConfig(metric="em"))
+  right = _traj("Paris", ["Paris"], qid="a")
+  half = _traj("Lyon", ["Paris"], qid="b")  # wrong answer, half the steps right
+  other = _traj("Paris", ["Paris"], qid="c")  # no progress measure: the answer's share alone
+  broken = _traj("Paris", ["Paris"], qid="a", texts=("<answer> Paris",))  # fails the gate
+  failed = _traj("Paris", ["Paris"], qid="a", environment_failure=True)
+  assert score([right, half, other, broken, failed]) == [1.0, 0.125, 0.75, 0.0, None]
+  assert (right.score, half.score, failed.score) == (1.0, 0.125, None)  # set on the trajectory
+  # Weight 0 is the ASearcher reward exactly.
+  plain = [_traj("Paris", ["Paris"], qid="b"), _traj("Lyon", ["Paris"], qid="b")]
+  assert progress_scorer(lambda t: 0.5, 0.0)(plain) == answer_scorer()(plain) == [1.0, 0.0]
+  with pytest.raises(ValueError, match="progress weight"):
+    progress_scorer(lambda t: 0.0, 1.0)

@@ -9,6 +9,7 @@ from asearcher_jax.synthwiki.chain_breaks import (
   KINDS,
   episode_break,
   first_break,
+  hops_searched,
   search_queries,
   tally,
 )
@@ -45,6 +46,22 @@ RIGHT = ["Ana trained by", "Bo born in", "Kel population"]
 )  # fmt: skip
 def test_first_break(question, queries, answered, expected):
   assert first_break(question, queries, answered=answered) == expected
+
+
+def test_hops_searched_is_the_share_of_the_chain_before_its_first_wrong_search():
+  def acts(*queries):
+    return [f"<search> {x} </search>" for x in queries]
+
+  assert hops_searched(CHAIN, acts(*RIGHT)) == 1.0
+  # Accesses and answers are not searches; the count stops at the first wrong one.
+  mixed = [*acts(RIGHT[0]), "<access> https://synthwiki.org/Bo </access>", *acts("Bo trained by")]
+  assert hops_searched(CHAIN, [*mixed, *acts(*RIGHT[1:])]) == pytest.approx(1 / 3)
+  assert hops_searched(CHAIN, [*acts(*RIGHT[:2]), "<answer> 1200 </answer>"]) == pytest.approx(
+    2 / 3
+  )
+  assert hops_searched(CHAIN, [None, "<answer> 1200 </answer>"]) == 0.0  # a guess
+  assert hops_searched(INJECTED, acts("person married to Dia", *RIGHT)) == 1.0
+  assert hops_searched(SynthQuestion(**{**CHAIN.__dict__, "kind": "comparison"}), []) is None
 
 
 def test_only_chains_break():
