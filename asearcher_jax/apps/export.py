@@ -103,10 +103,10 @@ def export(
   hf_io.save(model, out, dtype=dtype)
   if jax.process_index() == 0:
     copy_tokenizer(tokenizer_dir, out)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     record = {
       "run_dir": str(run.resolve()), "step": step, "version": meta["meta"].get("version", step),
-      "dtype": dtype or cfg.param_dtype, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                      time.gmtime()),
+      "dtype": dtype or cfg.param_dtype, "exported_at": when,
     }  # fmt: skip
     (out / EXPORTED_FROM).write_text(json.dumps(record, indent=2) + "\n")
   print(f"exported step {step} of {run} -> {out} ({time.time() - t0:.1f} s)", flush=True)
