@@ -80,6 +80,8 @@ def export(
   """
   t0 = time.time()
   run = train_run_dir(run_dir)
+  if out_dir is not None:
+    _check_out_dir(Path(out_dir))
   cfg = from_hf_config(policy_config(run, model_dir))
   tokenizer_dir = run / "tokenizer"
   if not (tokenizer_dir / "tokenizer.json").is_file():
@@ -111,6 +113,16 @@ def export(
     (out / EXPORTED_FROM).write_text(json.dumps(record, indent=2) + "\n")
   print(f"exported step {step} of {run} -> {out} ({time.time() - t0:.1f} s)", flush=True)
   return 0
+
+
+def _check_out_dir(out: Path) -> None:
+  """Writing replaces a directory's safetensors: only an empty one or an earlier export may be
+  written over, never a model directory the user has (the run's warm start, say)."""
+  if out.is_dir() and any(out.iterdir()) and not (out / EXPORTED_FROM).is_file():
+    raise AsearcherError(
+      f"{str(out)!r} exists and is not an earlier export (no {EXPORTED_FROM}): choose another "
+      "out_dir; nothing was written"
+    )
 
 
 def _check_shapes(abstract: nnx.State, params: nnx.State) -> None:

@@ -96,6 +96,11 @@ def test_export_any_step_in_any_dtype_and_each_mistake_is_one_line(hand_made_run
   assert loaded_cfg.param_dtype == "bfloat16"
   _assert_exported(out, _checkpoint_params(run / "checkpoints/5/train_state"), np.dtype("bfloat16"))
 
+  assert export_lib.main([str(run), str(out), "--step", "3"]) == 0  # over an earlier export
+  assert json.loads((out / export_lib.EXPORTED_FROM).read_text())["step"] == 3
+  with pytest.raises(AsearcherError, match="not an earlier export"):  # a model of the user's
+    export_lib.export(run_dir=str(run), out_dir=str(run / "tokenizer"))
+  assert (run / "tokenizer" / "tokenizer.json").is_file()  # untouched
   with pytest.raises(AsearcherError, match=r"no checkpoint for step 4 .* it has \[3, 5\]"):
     export_lib.export(run_dir=str(run), step=4)
   with pytest.raises(AsearcherError, match="not an RL run"):
