@@ -10,7 +10,9 @@ exists, so `asearcher demo` works as is. `asearcher SUBCOMMAND --help` lists wha
 Before the subcommand runs (and so before any jax array exists) the process joins its
 multi-process program, if it is one: `distributed.DistributedConfig` bound in gin
 (`distributed.DistributedConfig.num_processes = 2`, ...) or the JAX_COORDINATOR_ADDRESS /
-JAX_NUM_PROCESSES / JAX_PROCESS_ID environment; automatic on a Cloud TPU VM.
+JAX_NUM_PROCESSES / JAX_PROCESS_ID environment; automatic on a Cloud TPU VM. It also points JAX at
+the persistent compilation cache (`compile_cache.CompileCacheConfig`, or $ASEARCHER_COMPILE_CACHE;
+"off" for none), so a re-run, a resumed life or another host reads compiled programs back.
 """
 
 from __future__ import annotations
@@ -138,9 +140,23 @@ def distributed_config():
   from asearcher_jax.distributed import DistributedConfig
 
   try:
-    return gin.get_configurable(DistributedConfig)()
+    configured = gin.get_configurable(DistributedConfig)
   except ValueError:  # not in the gin registry: nothing binds it
     return DistributedConfig()
+  return configured()  # a bad bound value raises (a config error), not the defaults
+
+
+def compile_cache_config():
+  """The gin-bound `CompileCacheConfig` (library defaults when no gin file binds it)."""
+  import gin
+
+  from asearcher_jax.compile_cache import CompileCacheConfig
+
+  try:
+    configured = gin.get_configurable(CompileCacheConfig)
+  except ValueError:  # not in the gin registry: nothing binds it
+    return CompileCacheConfig()
+  return configured()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,12 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ConfigError as e:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
-  from asearcher_jax import distributed
+  from asearcher_jax import compile_cache, distributed
 
   try:
+    compile_cache.enable(compile_cache_config())
     distributed.initialize(distributed_config())
-  except ValueError as e:
-    print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
+  except ValueError as e:  # one line: gin appends "In call to configurable ..." lines
+    print(f"asearcher {args.subcommand}: config error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2
   if args.print_config:
     import gin
