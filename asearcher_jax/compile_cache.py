@@ -102,3 +102,13 @@ def enable(cfg: CompileCacheConfig, env: dict[str, str] | None = None) -> str | 
   jax.config.update("jax_compilation_cache_max_size", int(cfg.max_size_gb * 2**30))
   log.info("compile cache: %s (ASEARCHER_COMPILE_CACHE=off for none)", where)
   return where
+
+
+def enable_if_asked(env: dict[str, str] | None = None) -> str | None:
+  """For scripts whose figures are cold compiles unless told otherwise (benchmarks): the cache
+  only where $ASEARCHER_COMPILE_CACHE names one (on a short accelerator lease, a directory an
+  earlier call filled and carried back). Returns the directory, or None."""
+  env = os.environ if env is None else env
+  if ENV_DIR not in env:
+    return None
+  return enable(CompileCacheConfig(), env)

@@ -120,6 +120,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from asearcher_jax import compile_cache
 from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig, Limits
 from asearcher_jax.apps import serve_model as serving_commands
 from asearcher_jax.apps.train import smoke_scorer
@@ -679,6 +680,7 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs both modes; prints the side-by-side table and, last, one JSON line (also returned)."""
+  compile_cache.enable_if_asked()  # $ASEARCHER_COMPILE_CACHE: reuse an earlier run's compiles
   w = parse(argv)
   print(f"workload: {w}", flush=True)
   with tempfile.TemporaryDirectory() as tmp:

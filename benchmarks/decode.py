@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from asearcher_jax import compile_cache
 from asearcher_jax.model import hf_io, presets, transformer
 from asearcher_jax.serving.driver import Driver
 from asearcher_jax.serving.engine import Engine, EngineConfig
@@ -198,6 +199,7 @@ def run_transformers(
 
 
 def main() -> None:
+  compile_cache.enable_if_asked()  # $ASEARCHER_COMPILE_CACHE: reuse an earlier run's compiles
   tok = Tokenizer.qwen2()
   global VOCAB, LOOP, ROWS
   parser = argparse.ArgumentParser(description=__doc__)

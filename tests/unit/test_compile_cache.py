@@ -127,6 +127,7 @@ def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path):
   directory that cannot be made, stops `asearcher` with one line (and no compile); so does a
   bad `DistributedConfig` value, configured the same way."""
   env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+  env["ASEARCHER_HOME"] = str(tmp_path / "home")  # were a case to run, nothing of the user's
   (tmp_path / "bad.gin").write_text(
     "from __gin__ import dynamic_registration\n"
     "from asearcher_jax.apps import index\n"
@@ -164,3 +165,24 @@ def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert lines[0].startswith("asearcher index: config error: ") and fragment in lines[0]
+
+
+def test_benchmarks_use_the_cache_only_when_asked(tmp_path):
+  """Benchmarks report cold compiles unless $ASEARCHER_COMPILE_CACHE names a cache (a short
+  accelerator lease carrying an earlier call's compiles)."""
+  assert compile_cache.enable_if_asked({"ASEARCHER_HOME": str(tmp_path)}) is None
+  assert not (tmp_path / "jax_cache").exists()
+  code = "from asearcher_jax import compile_cache; print(compile_cache.enable_if_asked())"
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    env={
+      "PYTHONPATH": str(REPO),
+      "JAX_PLATFORMS": "cpu",
+      compile_cache.ENV_DIR: str(tmp_path / "c"),
+    },
+    capture_output=True,
+    text=True,
+    timeout=T,
+  )
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == str(tmp_path / "c") and (tmp_path / "c").is_dir()
