@@ -2,17 +2,17 @@
 
 Every process of this project compiles the same programs again: a resumed run after a crash, the
 next seed of a sweep, each host of a pod, the evaluation of a finished run. On 2 CPU cores the
-quickstart's engine warm-up is ~95 s cold and ~25 s from the cache (`benchmarks/compile_cache.py`);
-on an accelerator an engine's warm-up can outlast a short lease. JAX keeps compiled executables
-in a directory keyed by the program, the devices, the compile options and the jax/jaxlib
-versions, so a hit is the executable the compiler would have produced (nothing about results
-changes). JAX's own default writes only programs that took >= 1 s to compile; most of a small
-model's ~120 engine programs take less, and together they are most of the warm-up, so this
-writes every program (`min_compile_s`).
+quickstart's engine warm-up is 78 s without the cache and 21 s from it (2026-11-28,
+`benchmarks/compile_cache.py`); on an accelerator an engine's warm-up can outlast a short lease.
+JAX keeps compiled executables in a directory keyed by the program, the devices, the compile
+options and the jax/jaxlib versions, so a hit is the executable the compiler would have produced
+(nothing about results changes). JAX's own default writes only programs that took >= 1 s to
+compile; most of a small model's ~120 engine programs take less, and together they are most of
+the warm-up, so this writes every program (`min_compile_s`).
 
 With `max_size_gb` set, JAX evicts least recently used entries past the size and takes a file
-lock around each read and write, which is what makes one directory safe for several processes
-at once (the processes of a pod on shared storage, the test suite's workers).
+lock around each read and write, which is what makes one directory safe for several processes at
+once (a pod's hosts on shared storage, runs side by side on one machine).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class CompileCacheConfig:
   # else `default_dir()`.
   dir: str | None = None
   # Programs that compiled faster than this are not written. JAX's default is 1 s; the engine's
-  # many small programs are most of its warm-up (~42 s warm with 1 s, ~25 s with 0, CPU).
+  # many small programs are most of its warm-up (from the cache: 46 s with 1 s, 21 s with 0, CPU).
   min_compile_s: float = 0.0
   # Least recently used entries are evicted past this size; also turns on JAX's file lock, so
   # concurrent processes can share the directory. The quickstart's engine writes ~7 MB.
