@@ -118,6 +118,12 @@ def export(
 def _check_out_dir(out: Path) -> None:
   """Writing replaces a directory's safetensors: only an empty one or an earlier export may be
   written over, never a model directory the user has (the run's warm start, say)."""
+  blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+  if blocker is not None:  # else the safetensors writer fails deep inside with an OS error
+    raise AsearcherError(
+      f"{str(blocker)!r} is a file, so {str(out)!r} cannot be a model directory: choose another "
+      "out_dir; nothing was written"
+    )
   if out.is_dir() and any(out.iterdir()) and not (out / EXPORTED_FROM).is_file():
     raise AsearcherError(
       f"{str(out)!r} exists and is not an earlier export (no {EXPORTED_FROM}): choose another "

@@ -101,6 +101,12 @@ def test_export_any_step_in_any_dtype_and_each_mistake_is_one_line(hand_made_run
   with pytest.raises(AsearcherError, match="not an earlier export"):  # a model of the user's
     export_lib.export(run_dir=str(run), out_dir=str(run / "tokenizer"))
   assert (run / "tokenizer" / "tokenizer.json").is_file()  # untouched
+  a_file = run / "tokenizer" / "tokenizer.json"
+  for where in (a_file, a_file / "hf"):  # a file, or a directory under one
+    with pytest.raises(AsearcherError, match=r"tokenizer\.json' is a file, so .* nothing was"):
+      export_lib.export(run_dir=str(run), out_dir=str(where))
+  assert export_lib.main([str(run), str(a_file)]) == 2  # the command: one line, exit 2
+  assert a_file.is_file() and json.loads(a_file.read_text())  # untouched
   with pytest.raises(AsearcherError, match=r"no checkpoint for step 4 .* it has \[3, 5\]"):
     export_lib.export(run_dir=str(run), step=4)
   with pytest.raises(AsearcherError, match="not an RL run"):
