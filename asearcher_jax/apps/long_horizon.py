@@ -57,6 +57,10 @@ LONG_WORLD = SynthWikiConfig(
 LONGER_WORLD = dataclasses.replace(
   LONG_WORLD, questions_per_hop=(0, 0, 0) + (150,) * 13, tokenizer_max_hops=12
 )
+# LONGER_WORLD with 24 chain questions per hop count from 17 to 32 appended after its own, for
+# `long_horizon_32.gin`: chains longer than 30 hops in the RL pool (one search a hop), while the
+# held-out questions, their order and the tokenizer stay LONGER_WORLD's.
+LONGEST_WORLD = dataclasses.replace(LONGER_WORLD, appended_questions_per_hop=(24,) * 16)
 # 72 LLM turns (a tool call takes an act and a read turn: 30 tool calls are 61 turns), 3,072
 # tokens: with results compacted to their URLs after the read turn, a hop costs ~62 tokens
 # (measured on the perfect expert: 12 hops in <= 982 tokens; 30 tool calls ~2,100). Not 4,096:
@@ -96,6 +100,11 @@ PAGES_PLAN_AGENT = dataclasses.replace(PAGES_AGENT, max_new_tokens=96)
 def longer_world() -> SynthWikiConfig:
   """`LONGER_WORLD`, for gin."""
   return LONGER_WORLD
+
+
+def longest_world() -> SynthWikiConfig:
+  """`LONGEST_WORLD`, for gin."""
+  return LONGEST_WORLD
 
 
 def pages_agent() -> AsearcherAgentConfig:

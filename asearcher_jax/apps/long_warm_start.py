@@ -113,7 +113,8 @@ def _pct(x: float) -> str:
 
 def _hop_range(world: dict[str, Any]) -> str:
   """The chain lengths of a world config (as a dict), e.g. "4-12", for the card's text."""
-  hops = [h for h, n in enumerate(world["questions_per_hop"], start=1) if n]
+  per_hop = [*world["questions_per_hop"], *world.get("appended_questions_per_hop", ())]
+  hops = [h for h, n in enumerate(per_hop, start=1) if n]
   return f"{min(hops)}-{max(hops)}" if hops else "no"
 
 

@@ -417,20 +417,16 @@ def _comparison_question(world: World, rng: random.Random):
   )
 
 
-def generate_questions(world: World, config: SynthWikiConfig | None = None) -> list[SynthQuestion]:
-  """All questions, each verified unique against the world, split by start entity.
-
-  A question goes to the test split when its start entity (a comparison's first entity) is a
-  test entity, so train and test share no chain. Small worlds may yield fewer than asked.
-  """
-  config = config or world.config
-  rng = random.Random(f"synthwiki-questions-{config.seed}")
-  n_test = round(len(world.ids) * config.test_fraction)
-  test_names = {world.entities[i].name for i in rng.sample(world.ids, n_test)}
+def _make(
+  world: World,
+  rng: random.Random,
+  wanted: list[tuple[int, int]],
+  config: SynthWikiConfig,
+  seen: set[str],
+) -> list[dict[str, Any]]:
+  """Up to n new questions for each (hops, n) in `wanted` (0 hops: comparisons); `seen` holds
+  the question texts made so far and grows."""
   made: list[dict[str, Any]] = []
-  seen: set[str] = set()
-  wanted = [(k + 1, n) for k, n in enumerate(config.questions_per_hop)]
-  wanted.append((0, config.num_comparisons))
   for k, n in wanted:
     got = 0
     for _ in range(n * config.attempts_per_question):
@@ -442,8 +438,28 @@ def generate_questions(world: World, config: SynthWikiConfig | None = None) -> l
       seen.add(q["question"])
       made.append(q)
       got += 1
+  return made
+
+
+def generate_questions(world: World, config: SynthWikiConfig | None = None) -> list[SynthQuestion]:
+  """All questions, each verified unique against the world, split by start entity.
+
+  A question goes to the test split when its start entity (a comparison's first entity) is a
+  test entity, so train and test share no chain. Small worlds may yield fewer than asked.
+  """
+  config = config or world.config
+  rng = random.Random(f"synthwiki-questions-{config.seed}")
+  n_test = round(len(world.ids) * config.test_fraction)
+  test_names = {world.entities[i].name for i in rng.sample(world.ids, n_test)}
+  seen: set[str] = set()
+  wanted = [(k + 1, n) for k, n in enumerate(config.questions_per_hop)]
+  made = _make(world, rng, [*wanted, (0, config.num_comparisons)], config, seen)
   if config.shuffle:
     rng.shuffle(made)
+  if config.appended_questions_per_hop:  # after the shuffle, from their own stream
+    first = len(config.questions_per_hop) + 1
+    appended = list(enumerate(config.appended_questions_per_hop, start=first))
+    made += _make(world, random.Random(f"synthwiki-appended-{config.seed}"), appended, config, seen)
   out = []
   for i, q in enumerate(made):
     split = "test" if q["start"] in test_names else "train"

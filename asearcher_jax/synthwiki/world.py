@@ -213,6 +213,11 @@ class SynthWikiConfig:
   relation_prob: float = 0.85
   # Questions wanted per hop count: entry i is the number of (i + 1)-hop chain questions.
   questions_per_hop: tuple[int, ...] = (300, 300, 200, 120)
+  # Longer chains appended after all the others (entry i: (len(questions_per_hop) + i + 1)-hop
+  # chains), from their own random stream and unshuffled, so that the other questions, their
+  # order, ids and splits are exactly those of the world without them: an RL pool can get chains
+  # longer than any evaluated ones while the first N held-out questions stay the same.
+  appended_questions_per_hop: tuple[int, ...] = ()
   # Comparison questions ("Which was founded earlier, A or B?").
   num_comparisons: int = 120
   # Probability that a chain's last step asks for an attribute (a year, number or colour).
@@ -257,7 +262,8 @@ class SynthWikiConfig:
       )
     if not 0 <= self.test_fraction < 1:
       raise ValueError(f"test_fraction must be in [0, 1), got {self.test_fraction}")
-    if any(n < 0 for n in self.questions_per_hop) or self.num_comparisons < 0:
+    counts = (*self.questions_per_hop, *self.appended_questions_per_hop, self.num_comparisons)
+    if any(n < 0 for n in counts):
       raise ValueError("question counts must be >= 0")
     if self.tokenizer_max_hops is not None and self.tokenizer_max_hops < 1:
       raise ValueError(f"tokenizer_max_hops must be >= 1 or None, got {self.tokenizer_max_hops}")

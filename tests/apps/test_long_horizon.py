@@ -69,6 +69,26 @@ def test_longer_world_adds_13_to_16_hop_chains_and_keeps_the_shipped_warm_starts
   qs.check_tokenizer(files, lh.long_warm_start.LONG_WARM_START)
 
 
+def test_longest_world_appends_17_to_32_hop_chains_and_changes_nothing_else(tmp_path):
+  longer, longest = build_synthwiki(lh.LONGER_WORLD), build_synthwiki(lh.LONGEST_WORLD)
+  n = len(longer.questions)
+  assert longest.questions[:n] == longer.questions  # ids, order, splits: the held-out is the same
+  appended = longest.questions[n:]
+  assert sorted({q.hops for q in appended}) == list(range(17, 33))
+  per_hop = [sum(q.hops == h for q in appended) for h in range(17, 33)]
+  assert all(10 <= n <= 24 for n in per_hop) and sum(per_hop) > 15 * 24  # 32 hops run dry
+  assert len({q.question for q in longest.questions}) == len(longest.questions)
+  assert all(hop_leaks(longest.world, q) == [] for q in appended)
+  assert {q.split for q in appended} == {"train", "test"}  # by start entity, as the others
+  assert longest.digest() != longer.digest()
+  _, files = prepare_world(tmp_path / "world", lh.LONGEST_WORLD)
+  shipped = lh.long_warm_start.LONG_WARM_START / "tokenizer.json"
+  assert (files.tokenizer / "tokenizer.json").read_bytes() == shipped.read_bytes()
+  assert long_warm_start._hop_range(dataclasses.asdict(lh.LONGEST_WORLD)) == "4-32"
+  with pytest.raises(ValueError, match="question counts"):
+    dataclasses.replace(lh.LONGER_WORLD, appended_questions_per_hop=(3, -1))
+
+
 def test_hop_leaks_flags_a_back_link():
   sw = build_synthwiki(TINY_LONG)
   q = sw.questions[0]
