@@ -22,11 +22,24 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from asearcher_jax.errors import AsearcherError
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "ASEARCHER_SERVER_TOKEN"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 OPEN_PATHS = ("/health",)  # liveness probes need no token
+
+
+async def listen(runner: web.AppRunner, host: str, port: int) -> None:
+  """Binds `runner` to host:port, or raises one line naming the address (a port in use, an
+  unknown host, an address not on this machine) after freeing the runner."""
+  try:
+    await web.TCPSite(runner, host, port).start()
+  except OSError as e:
+    await asyncio.wait_for(runner.cleanup(), 30)
+    reason = (e.strerror or str(e)).rsplit(": ", 1)[-1].lower()
+    raise AsearcherError(f"cannot listen on {host}:{port}: {reason}") from e
 
 
 def server_token(host: str) -> str | None:

@@ -46,12 +46,20 @@ SUBCOMMANDS: dict[str, str] = {
   "sweep": "asearcher_jax.apps.sweep:sweep",
 }
 
+# Config classes this module builds through gin itself (`distributed_config`, `compile_cache_config`).
+ROOT_CONFIGS = (
+  "asearcher_jax.distributed:DistributedConfig",
+  "asearcher_jax.compile_cache:CompileCacheConfig",
+)
+
 # Where gin files are looked up: the working directory, then the repository root, so the default
 # files and their includes ('gin/models/x.gin', written from the root) resolve wherever the
 # command runs. (gin's package-path reader would mistake a bare 'runs/x.gin' for a Python
 # namespace package when a runs/ directory exists.)
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 GIN_SEARCH_PATHS = (Path.cwd(), _REPO_ROOT)
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # Libraries whose INFO/DEBUG chatter is not ours to show at the default level.
 QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "urllib3", "httpx", "filelock")
@@ -93,8 +101,16 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     help="gin binding, e.g. --gin_param='demo.run.text=\"hi\"' (repeatable, applied last)",
   )
   parser.add_argument("--print_config", action="store_true", help="print the operative config")
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="check the configuration (exit 2 on a mistake), run nothing",
+  )
   parser.add_argument("--operative_config", help="write gin's operative config here after the run")
-  parser.add_argument("--log_level", default="INFO")
+  parser.add_argument(
+    "--log_level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+    help=f"one of {', '.join(LOG_LEVELS)} (default INFO)",
+  )  # fmt: skip
   args = parser.parse_args(argv)
   if args.subcommand is None:
     if args.help:
@@ -108,11 +124,16 @@ def _help(subcommand: str, gin_files: Sequence[str]) -> str:
   from asearcher_jax.apps import cli_help
 
   if gin_files:
-    files = [Path(f) for f in gin_files]
+    found = [
+      next((b / f for b in GIN_SEARCH_PATHS if (b / f).is_file()), Path(f)) for f in gin_files
+    ]
+    files = [p for f in found if f.is_file() for p in cli_help.gin_includes(f, GIN_SEARCH_PATHS)]
   else:
     default = default_gin_file(subcommand)
     files = cli_help.gin_includes(default, GIN_SEARCH_PATHS) if default else []
-  return cli_help.command_help(subcommand, SUBCOMMANDS[subcommand], files, _REPO_ROOT)
+  return cli_help.command_help(
+    subcommand, SUBCOMMANDS[subcommand], files, _REPO_ROOT, default=not gin_files
+  )
 
 
 def configure(subcommand: str, gin_files: Sequence[str], gin_params: Sequence[str]) -> Callable:
@@ -128,9 +149,15 @@ def configure(subcommand: str, gin_files: Sequence[str], gin_params: Sequence[st
   if not files and (default := default_gin_file(subcommand)) is not None:
     files = [str(default)]
   fn = _resolve(SUBCOMMANDS[subcommand])
-  gin_config.parse(files, list(gin_params), SUBCOMMANDS[subcommand].split(":")[0])
-  gin_config.check(fn, files, list(gin_params))
-  return gin.get_configurable(fn)
+  gin_config.parse(files, list(gin_params), fn)
+  # Built through gin besides the subcommand: by `main` itself, or by another subcommand that
+  # reads the same recipe (a train recipe also configures its serve-model processes).
+  roots = {*ROOT_CONFIGS, *SUBCOMMANDS.values()}
+  gin_config.check(fn, files, list(gin_params), roots=roots)
+  try:
+    return gin.get_configurable(fn)
+  except ValueError:  # nothing binds it (no gin file, or files for other things): its defaults
+    return fn
 
 
 def distributed_config():
@@ -159,6 +186,16 @@ def compile_cache_config():
   return configured()
 
 
+def _check_writable(flag: str, path: Path) -> None:
+  from asearcher_jax.apps.gin_config import ConfigError
+
+  for parent in path.parents:
+    if parent.is_file():
+      raise ConfigError(f"{flag}={path}: {parent} is a file, not a directory")
+  if path.is_dir():
+    raise ConfigError(f"{flag}={path}: is a directory, not a file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] == ["inspect"] and argv[1:2] and not argv[1].startswith("-"):
@@ -180,9 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     fn = configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
+    if args.operative_config:
+      _check_writable("--operative_config", Path(args.operative_config))
   except ConfigError as e:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
+  if args.check:
+    print(f"asearcher {args.subcommand}: configuration ok")
+    return 0
   from asearcher_jax import compile_cache, distributed
 
   try:
@@ -204,6 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One line: gin appends "In call to configurable ..." lines to exceptions it passes through.
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
     print(f"asearcher {args.subcommand}: error: {message}", file=sys.stderr)
+    return 1
+  except OSError as e:
+    # A path, address or port the system refused (a file where a directory must be, a port in
+    # use, an unknown host): one line; the traceback is logged at DEBUG.
+    logging.getLogger(__name__).debug("%s failed", args.subcommand, exc_info=True)
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    print(f"asearcher {args.subcommand}: error: {message} (--log_level DEBUG for where)",
+          file=sys.stderr)  # fmt: skip
     return 1
   if args.operative_config:
     import gin

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch import gcloud
+from launch import gcloud, roles
 from launch.spec import SpecError
 
 
@@ -75,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       if not a.dry_run:
         Path(a.to, "metrics").mkdir(parents=True, exist_ok=True)
     else:
+      if a.action == "start":
+        roles.check_config("train", [spec.experiment], a.gin_param)
       commands = gcloud.plan(spec, a.action, commit=commit, gin_params=tuple(a.gin_param))
   except SpecError as e:
     print(f"launch {a.action}: spec error: {e}", file=sys.stderr)

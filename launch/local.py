@@ -38,12 +38,11 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 from asearcher_jax.apps.sweep_launch import pid_alive as _alive
 from launch import roles
-from launch.spec import SpecError
+from launch.spec import SpecError, check_gin_files, read_toml
 
 REPO = Path(__file__).resolve().parents[1]
 ASEARCHER = (sys.executable, "-m", "asearcher_jax.main")
@@ -68,15 +67,11 @@ class LocalSpec:
 
 def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
   p = Path(path)
-  try:
-    d = tomllib.loads(p.read_text())
-  except FileNotFoundError:
-    raise SpecError(f"{p}: no such spec file") from None
-  except tomllib.TOMLDecodeError as e:
-    raise SpecError(f"{p}: not valid TOML: {e}") from None
+  d = read_toml(p)
   known = {f.name for f in dataclasses.fields(LocalSpec)}
   if unknown := sorted(set(d) - known):
-    raise SpecError(f"{p}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)})")
+    hint = "; a gcloud spec? drop --backend local" if {"project", "zone"} & set(unknown) else ""
+    raise SpecError(f"{p}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)}){hint}")
   for k in ("serving", "trainers", "trainer_devices"):
     if not isinstance(d.get(k, 1), int) or d.get(k, 1) < 1:
       raise SpecError(f"{p}: {k} must be an integer >= 1, got {d.get(k)!r}")
@@ -88,6 +83,7 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
   exp = experiment or d.get("experiment")
   if not exp:
     raise SpecError(f"{p}: no experiment")
+  check_gin_files([exp, *d.get("overlays", ())], str(p))
   return LocalSpec(**{**d, "experiment": exp, "overlays": tuple(d.get("overlays", ())),
                       "gin_params": tuple(d.get("gin_params", ()))})  # fmt: skip
 
@@ -232,6 +228,8 @@ def main(a) -> int:
     if any(_alive(p) for p in pids(run).values()):
       print(f"launch start: {run} already has live processes (stop first)", file=sys.stderr)
       return 1
+    lay = layout(spec, run, tuple(a.gin_param))
+    roles.check_config("train", lay.gin_files, lay.gin_params)
     run.mkdir(parents=True, exist_ok=True)
     for f in (run / "pids").glob("*.json") if (run / "pids").exists() else ():
       f.unlink()
@@ -247,6 +245,10 @@ def main(a) -> int:
                          start_new_session=True)  # fmt: skip
     (run / "supervisor.pid").write_text(str(p.pid))
     return 0
+  if not run.is_dir():
+    print(f"launch {a.action}: no run at {run} (start it first, or give its --run_dir)",
+          file=sys.stderr)  # fmt: skip
+    return 1
   if a.action == "status":
     for role, pid in pids(run).items():
       print(f"{role} {pid} {'alive' if _alive(pid) else 'dead'}")

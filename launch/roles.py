@@ -16,6 +16,14 @@ Only the paths, hosts and ports differ between the gcloud and local backends (`L
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from launch.spec import SpecError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,3 +117,15 @@ def trainer_env(
   if local_devices is not None:
     env["ASEARCHER_LOCAL_DEVICE_COUNT"] = str(local_devices)
   return env
+
+
+def check_config(command: str, gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
+  """`asearcher COMMAND ... --check` here, before anything starts anywhere: a typo in the
+  experiment, an overlay or a --gin_param is one SpecError, not a dead run on a pod."""
+  argv = [sys.executable, "-m", "asearcher_jax.main", command,
+          *(f"--gin_file={f}" for f in gin_files), *(f"--gin_param={p}" for p in gin_params),
+          "--check"]  # fmt: skip
+  out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+  if out.returncode != 0:
+    lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
+    raise SpecError(f"the {command} configuration: {lines[-1]}")

@@ -36,8 +36,12 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+# Keys only a local-backend spec has (launch/local.py's LocalSpec).
+LOCAL_ONLY_KEYS = {"overlays", "run_dir", "trainers", "trainer_devices", "gin_params"}
 
 
 class SpecError(ValueError):
@@ -180,7 +184,10 @@ def from_dict(
   """Validates a parsed spec; `experiment` (the command line's) wins over the file's."""
   unknown = sorted(set(d) - _TOP_KEYS)
   if unknown:
-    raise SpecError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {sorted(_TOP_KEYS)})")
+    hint = "; a local spec? add --backend local" if set(unknown) & LOCAL_ONLY_KEYS else ""
+    raise SpecError(
+      f"{source}: unknown key(s) {', '.join(unknown)} (known: {sorted(_TOP_KEYS)}){hint}"
+    )
   name = _str(d, "name", source)
   if not re.fullmatch(r"[a-z][a-z0-9-]{0,40}", name):
     raise SpecError(f"{source}: name {name!r} must be lowercase letters, digits and '-'")
@@ -248,13 +255,32 @@ def with_run_dir(spec: ClusterSpec, run_dir: str | None) -> ClusterSpec:
   return dataclasses.replace(spec, run_dir=run_dir.strip("/"))
 
 
-def load(path: str | Path, experiment: str | None = None) -> ClusterSpec:
-  """Reads and validates a TOML spec."""
+def read_toml(path: str | Path) -> dict:
+  """A spec file's table; a missing, unreadable or malformed file is one SpecError."""
   p = Path(path)
   try:
-    d = tomllib.loads(p.read_text())
+    return tomllib.loads(p.read_text())
   except FileNotFoundError:
     raise SpecError(f"{p}: no such spec file") from None
-  except tomllib.TOMLDecodeError as e:
+  except OSError as e:  # a directory, no permission
+    raise SpecError(f"{p}: cannot read the spec ({(e.strerror or str(e)).lower()})") from None
+  except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
     raise SpecError(f"{p}: not valid TOML: {e}") from None
-  return from_dict(d, str(p), experiment)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def check_gin_files(files: Sequence[str], source: str) -> None:
+  """Each gin file a spec names exists here (relative paths: from the working directory or the
+  repository root, as `asearcher` finds them); the workers run this checkout's files."""
+  for f in files:
+    if not any((base / f).is_file() for base in (Path.cwd(), REPO)):
+      raise SpecError(f"{source}: gin file {f!r} does not exist (relative to the repository root)")
+
+
+def load(path: str | Path, experiment: str | None = None) -> ClusterSpec:
+  """Reads and validates a TOML spec."""
+  spec = from_dict(read_toml(path), str(path), experiment)
+  check_gin_files([spec.experiment], str(path))
+  return spec

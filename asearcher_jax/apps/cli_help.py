@@ -44,9 +44,47 @@ def summary(target: str) -> str:
   return re.sub(r"^`asearcher [\w-]+`: ", "", first)
 
 
-def _short_selector(obj: Any) -> str:
-  """How gin files name an object: its module's last component, then its qualified name."""
-  return f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__qualname__}"
+def _short_selector(obj: Any, names: dict[str, str] | None = None) -> str:
+  """How a binding names an object: the name its module is imported under (`names`, from
+  `module_names`; else the module's last component), then its qualified name."""
+  module = (names or {}).get(obj.__module__) or obj.__module__.rsplit(".", 1)[-1]
+  return f"{module}.{obj.__qualname__}"
+
+
+_IMPORT = re.compile(r"\s*from\s+([\w.]+)\s+import\s+(\w+)(?:\s+as\s+(\w+))?\s*(?:#.*)?$")
+
+
+def file_imports(gin_files: list[Path]) -> list[tuple[str, str]]:
+  """(module, name it is bound to) for each `from a.b import c [as d]` of the gin files, in
+  reading order (gin's dynamic registration imports are all of this form)."""
+  out = []
+  for path in gin_files:
+    for line in path.read_text().splitlines():
+      m = _IMPORT.match(line)
+      if m and m.group(1) != "__gin__":
+        out.append((f"{m.group(1)}.{m.group(2)}", m.group(3) or m.group(2)))
+  return out
+
+
+def module_names(fn: Callable[..., Any], imports: list[tuple[str, str]]) -> dict[str, str]:
+  """Module -> the name a binding writes it under, for the subcommand's module and the module of
+  every config class reachable from it: the name the gin files import it under where they do
+  (so a flag and a file name one configurable alike, e.g. `commands.sft` in gin/runs/sft.gin),
+  else its last component, else (that name taken by another module) its last two joined."""
+  names: dict[str, str] = {}
+  taken: dict[str, str] = {}
+  for module, name in imports:
+    names.setdefault(module, name)
+    taken.setdefault(name, module)
+  for module in dict.fromkeys([fn.__module__, *(c.__module__ for c in builders(fn))]):
+    if module in names:
+      continue
+    name = module.rsplit(".", 1)[-1]
+    if taken.get(name, module) != module:
+      name = "_".join(module.split(".")[-2:])
+    names[module] = name
+    taken[name] = module
+  return names
 
 
 def _docstring_entries(doc: str | None, section: str) -> dict[str, str]:
@@ -136,49 +174,78 @@ def _hints(obj: Any) -> dict[str, Any]:
     return {}
 
 
-def _format_default(value: Any) -> str:
+def _format_default(value: Any, names: dict[str, str] | None = None) -> str:
   if value is inspect.Parameter.empty or value is dataclasses.MISSING:
     return "(required)"
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return f"@{_short_selector(type(value))}()"
+    return f"@{_short_selector(type(value), names)}()"
   return repr(value)
 
 
-def parameters(fn: Callable[..., Any]) -> list[Param]:
-  """Every bindable name of a subcommand: its own keyword arguments, then the fields of each
-  config dataclass reachable from them (each class once, in the order first met)."""
-  selector = _short_selector(fn)
-  meanings = _docstring_entries(fn.__doc__, "Args")
+def _default(f: dataclasses.Field) -> Any:
+  if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+    return f.default_factory()
+  return f.default
+
+
+def builders(fn: Callable[..., Any]) -> dict[type, tuple[Any, str]]:
+  """Each config dataclass reachable from a subcommand's parameters (in the order first met) ->
+  the (function or class, parameter) that first holds one: a class's own bindings take effect
+  only where gin builds it, i.e. where that parameter is bound to `@Class()`."""
+  found: dict[type, tuple[Any, str]] = {}
+  queue: list[tuple[type, Any, str]] = []
   hints = _hints(fn)
-  out: list[Param] = []
-  queue: list[type] = []
   for name, p in inspect.signature(fn).parameters.items():
-    out.append(Param(selector, name, _format_default(p.default),
-                     _first_sentence(meanings.get(name, ""))))  # fmt: skip
-    queue.extend(_dataclass_types(hints.get(name)))
+    queue += [(c, fn, name) for c in _dataclass_types(hints.get(name))]
     if dataclasses.is_dataclass(p.default) and not isinstance(p.default, type):
-      queue.append(type(p.default))
-  seen: set[type] = set()
+      queue.append((type(p.default), fn, name))
   while queue:
-    cls = queue.pop(0)
-    if cls in seen:
+    cls, owner, field = queue.pop(0)
+    if cls in found:
       continue
-    seen.add(cls)
-    comments, cls_hints = _field_comments(cls), _hints(cls)
+    found[cls] = (owner, field)
+    cls_hints = _hints(cls)
     for f in dataclasses.fields(cls):
-      if not f.init:
-        continue
-      default = f.default
-      if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
-        default = f.default_factory()
-      out.append(Param(_short_selector(cls), f.name, _format_default(default),
-                       _first_sentence(comments.get(f.name, ""))))  # fmt: skip
-      queue.extend(_dataclass_types(cls_hints.get(f.name)))
+      if f.init:
+        queue += [(c, cls, f.name) for c in _dataclass_types(cls_hints.get(f.name))]
+  return found
+
+
+def parameters(fn: Callable[..., Any], names: dict[str, str] | None = None) -> list[Param]:
+  """Every bindable name of a subcommand: its own keyword arguments, then the fields of each
+  config dataclass reachable from them (each class once, in the order first met), named as
+  `names` (from `module_names`) says."""
+  selector = _short_selector(fn, names)
+  meanings = _docstring_entries(fn.__doc__, "Args")
+  out = [
+    Param(selector, n, _format_default(p.default, names), _first_sentence(meanings.get(n, "")))
+    for n, p in inspect.signature(fn).parameters.items()
+  ]
+  for cls in builders(fn):
+    comments = _field_comments(cls)
+    for f in dataclasses.fields(cls):
+      if f.init:
+        out.append(Param(_short_selector(cls, names), f.name, _format_default(_default(f), names),
+                         _first_sentence(comments.get(f.name, ""))))  # fmt: skip
   return out
 
 
-def command_help(name: str, target: str, gin_files: list[Path], repo_root: Path) -> str:
-  """The full `asearcher NAME --help` text."""
+def _built(gin_files: list[Path], imports: list[tuple[str, str]]) -> set[tuple[str, str]]:
+  """(module, qualified name) of each configurable the gin files reference as `@name.Qual`."""
+  by_name = {name: module for module, name in reversed(imports)}  # the first import wins
+  out = set()
+  for path in gin_files:
+    for ref in re.findall(r"@(?:[\w.]+/)?([\w.]+)", path.read_text()):
+      alias, _, qualname = ref.partition(".")
+      if alias in by_name:
+        out.add((by_name[alias], qualname))
+  return out
+
+
+def command_help(name: str, target: str, gin_files: list[Path], repo_root: Path,
+                 *, default: bool = True) -> str:  # fmt: skip
+  """The full `asearcher NAME --help` text, naming each parameter as a binding must write it with
+  `gin_files` read (the subcommand's defaults unless `default` is False)."""
   module_name, fn_name = target.split(":")
   fn = getattr(importlib.import_module(module_name), fn_name)
   doc = inspect.cleandoc(fn.__doc__ or "").split("\n\nArgs:")[0].strip()
@@ -187,13 +254,26 @@ def command_help(name: str, target: str, gin_files: list[Path], repo_root: Path)
   if gin_files:
     shown = [str(p.relative_to(repo_root)) if p.is_relative_to(repo_root) else str(p)
              for p in gin_files]  # fmt: skip
-    lines.append("default gin files (used when no --gin_file is given): " + ", ".join(shown))
+    label = "default gin files (used when no --gin_file is given)" if default else "gin files"
+    lines.append(f"{label}: " + ", ".join(shown))
   else:
     lines.append("default gin files: none (every parameter keeps the default below)")
   lines += ["", "parameters (bind with --gin_param='SELECTOR.NAME = VALUE' or in a gin file):"]
-  params = parameters(fn)
+  imports = file_imports(gin_files)
+  names = module_names(fn, imports)
+  built, owners = _built(gin_files, imports), builders(fn)
+  params = parameters(fn, names)
   width = min(max(len(f"{p.selector}.{p.name} = {p.default}") for p in params), 60)
-  for p in params:
+  classes = {_short_selector(c, names): c for c in owners}
+  for i, p in enumerate(params):
+    cls = classes.get(p.selector)
+    first = cls is not None and params[i - 1].selector != p.selector
+    if first and (cls.__module__, cls.__qualname__) not in built:
+      owner, field = owners[cls]
+      lines.append(
+        f"  ({p.selector}.* take effect once gin builds it: also bind "
+        f"{_short_selector(owner, names)}.{field} = @{p.selector}())"
+      )
     head = f"{p.selector}.{p.name} = {p.default}"
     if len(head) > width:
       lines.append(f"  {head}")

@@ -51,7 +51,13 @@ def train_run_dir(run_dir: str | Path) -> Path:
 def policy_config(run: Path, model_dir: str | None) -> dict:
   """The policy's HF config: the run's own, else `model_dir`'s config.json."""
   if (run / POLICY_CONFIG).is_file():
-    return json.loads((run / POLICY_CONFIG).read_text())
+    try:
+      config = json.loads((run / POLICY_CONFIG).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise AsearcherError(f"{run / POLICY_CONFIG} is not a JSON config ({e})") from None
+    if not isinstance(config, dict):
+      raise AsearcherError(f"{run / POLICY_CONFIG} is not a JSON object")
+    return config
   if model_dir is None:
     raise AsearcherError(
       f"{str(run)!r} has no {POLICY_CONFIG} (a run older than it): set export.model_dir to the "

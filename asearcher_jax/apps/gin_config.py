@@ -17,13 +17,15 @@ import re
 import tokenize
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import gin
 import gin.config
 import gin.resource_reader
+
+from asearcher_jax.apps import cli_help
 
 
 class ConfigError(Exception):
@@ -64,37 +66,57 @@ def use_package_paths(search: Sequence[Path]) -> None:
   ]
 
 
-def parse(files: Sequence[str], params: Sequence[str], module: str) -> None:
+def parse(files: Sequence[str], params: Sequence[str], fn: Callable[..., Any]) -> None:
   """gin.parse_config_files_and_bindings, one source at a time so an error names its source.
-  Each `--gin_param` is read with the files' imports and the subcommand's `module`, so a flag
-  names things as the gin files do (`index.build_index.k1`); gin alone would read it without
-  dynamic registration, where no such name exists."""
+  Each `--gin_param` is read with the files' imports plus the subcommand's module and the module
+  of every config class its help lists, under the names the help gives them
+  (`cli_help.module_names`), so a flag names things as the help and the gin files do; gin alone
+  would read it without dynamic registration, where no such name exists."""
   for f in files:
     try:
       gin.parse_config_file(f, skip_unknown=False)
     except Exception as e:  # gin raises whatever its parser or the imports raise
       raise ConfigError(f"{_where(e, f)}: {_one_line(e)}") from None
-  package, _, name = module.rpartition(".")
-  imports = [f"from {package} import {name}"]
-  imports += sorted(
-    s.format()
-    for s in gin.config._IMPORTS  # the files' imports
-    if not s.module.startswith("__gin__")
-  )
+  statements = [s for s in gin.config._IMPORTS if not s.module.startswith("__gin__")]
+  imports = sorted(s.format() for s in statements)  # the files' imports
+  known = [(s.module, s.bound_name()) for s in statements if s.is_from]
+  for module, name in cli_help.module_names(fn, known).items():
+    if module not in {m for m, _ in known}:
+      package, _, last = module.rpartition(".")
+      imports.append(f"from {package} import {last}" + (f" as {name}" if name != last else ""))
   head = ["from __gin__ import dynamic_registration", *dict.fromkeys(imports)]
   for p in params:
     try:
       gin.parse_config([*head, p], skip_unknown=False)
     except Exception as e:
-      raise ConfigError(f"--gin_param={p!r}: {_one_line(e)}") from None
+      raise ConfigError(f"--gin_param={p!r}: {_flag_message(p, e)}") from None
   gin.finalize()
+
+
+def _flag_message(param: str, e: BaseException) -> str:
+  """gin's message, or what it means where gin's own is a Python unpacking error (a selector of
+  one name before the parameter, e.g. `long_horizon.run_dir` for `long_horizon.long_horizon.run_dir`)."""
+  selector = param.split("=", 1)[0].strip().split("/")[-1]
+  value = param.split("=", 1)[1].strip() if "=" in param else ""
+  if "malformed node" in str(e) and value.isidentifier():
+    return (
+      f"{value} is not a value: a string needs quotes, e.g. --gin_param='{selector}=\"{value}\"'"
+    )
+  if isinstance(e, ValueError) and "unpack" in str(e) and selector.count(".") < 2:
+    return (f"{selector!r} is not MODULE.FUNCTION.PARAMETER or MODULE.CLASS.FIELD "
+            "(`asearcher SUBCOMMAND --help` lists the names)")  # fmt: skip
+  return _one_line(e)
 
 
 # --- checks after parsing -------------------------------------------------------------------------
 
 
 def _resolve(selector: str) -> Any:
-  """The object a full gin selector ('pkg.module.Class') names."""
+  """The object a full gin selector names: the registered configurable's (a dynamically
+  registered one is keyed by its import alias, 'pkg.alias.Class'), else by import."""
+  configurable = gin.config._REGISTRY.get(selector)
+  if configurable is not None:
+    return configurable.wrapped
   parts = selector.split(".")
   for i in range(len(parts) - 1, 0, -1):
     try:
@@ -108,8 +130,9 @@ def _resolve(selector: str) -> Any:
 
 
 def locate(selector: str, name: str, files: Sequence[str], params: Sequence[str]) -> str:
-  """Where `selector.name` was bound last: the --gin_param flag, else file:line."""
-  tail = selector.split(".")
+  """Where `selector.name` (a macro: `name` alone, `selector` "") was bound last: the
+  --gin_param flag, else file:line."""
+  tail = selector.split(".") if selector else []
 
   def matches(written: str) -> bool:
     w = written.split("/")[-1].split(".")
@@ -169,9 +192,12 @@ def _hints(obj: Any) -> dict[str, Any]:
     return {}
 
 
-def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str]) -> None:
-  """Type-checks every binding, builds every bound config dataclass once (its own checks run),
-  and checks that the subcommand's required parameters are bound."""
+def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str],
+          roots: Collection[str] = ()) -> None:  # fmt: skip
+  """Type-checks every binding, checks its paths, builds every bound config dataclass once (its
+  own checks run), checks that each binding reaches `fn` or one of `roots` ("module:qualname":
+  what the caller builds through gin, and other subcommands, whose bindings a recipe shared by
+  two processes holds) and that the subcommand's required parameters are bound."""
   config = dict(gin.config._CONFIG)  # ({(scope, selector): {name: value}})
   for (_, selector), bindings in config.items():
     obj = _resolve(selector)
@@ -185,6 +211,8 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str]) -
         raise ConfigError(
           f"{where}: {short}.{name} = {value!r}: expected {_type_name(hints[name])}"
         )
+      if problem := _value_problem(name, value):
+        raise ConfigError(f"{locate(selector, name, files, params)}: {short}.{name}: {problem}")
     if dataclasses.is_dataclass(obj) and isinstance(obj, type):
       try:
         gin.get_configurable(obj)()
@@ -204,12 +232,114 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str]) -
       continue
     if selector == target or _resolve(selector) in (fn, None):
       bound |= set(bindings)
+  short = ".".join(target.split(".")[-2:])
+  others = _functions_bound(config, fn)
+  if files and not bound and others:
+    raise ConfigError(
+      f"{', '.join(files)}: nothing here binds {short}; it configures {', '.join(others)} "
+      "(another subcommand's gin file?)"
+    )
+  _check_reached(fn, roots, config, files, params)
   for name, p in inspect.signature(fn).parameters.items():
     if p.default is inspect.Parameter.empty and name not in bound:
-      short = ".".join(target.split(".")[-2:])
       raise ConfigError(
         f"{short}.{name} is required: bind it, e.g. --gin_param='{short}.{name} = ...'"
       )
+
+
+def _references(value: Any) -> Iterator[str]:
+  """What a bound value references (`@x.Y()`, `%MACRO`, in lists and dicts): a configurable's
+  selector, or a macro's name as 'NAME/gin.macro'."""
+  if isinstance(value, gin.config.ConfigurableReference):
+    selector = value.configurable.selector
+    yield f"{value.scoped_selector.split('/')[0]}/{selector}" if selector == MACRO else selector
+  elif isinstance(value, list | tuple | set):
+    for v in value:
+      yield from _references(v)
+  elif isinstance(value, dict):
+    for v in value.values():
+      yield from _references(v)
+
+
+MACRO = "gin.macro"
+
+
+def _check_reached(fn: Callable[..., Any], roots: Collection[str], config: dict,
+                   files: Sequence[str], params: Sequence[str]) -> None:  # fmt: skip
+  """Every binding must be used: a class nothing builds through gin from the subcommand (or a
+  root) would keep its defaults whatever is bound (a default instance in a signature is not
+  gin's), and a macro nothing references (`run_dir = ...` for `inspect.inspect.run_dir = ...`)
+  binds nothing; either is an error naming what to write instead."""
+  start = {
+    c.selector
+    for obj, c in gin.config._INVERSE_REGISTRY.items()
+    if obj is fn or f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}" in roots
+  }
+  key = {(scope, sel): f"{scope}/{sel}" if sel == MACRO else sel for scope, sel in config}
+  reached, todo = set(start), list(start)
+  while todo:
+    found = todo.pop()
+    for k, bindings in config.items():
+      if key[k] == found:
+        new = {r for v in bindings.values() for r in _references(v)} - reached
+        reached |= new
+        todo += new
+  owners = cli_help.builders(fn)
+  names = {s.module: s.bound_name() for s in gin.config._IMPORTS if s.is_from}
+  for (scope, selector), bindings in config.items():
+    if key[(scope, selector)] in reached or not bindings:
+      continue
+    if selector == MACRO and locate("", scope, files, []) == "the configuration":
+      # A flag's macro nothing uses (a file's may be left unused by a flag binding over it).
+      raise ConfigError(
+        f"{locate('', scope, files, params)}: {scope} = {bindings.get('value')!r} binds a gin "
+        "macro nothing uses; a parameter is written SELECTOR.NAME (`--help` lists them)"
+      )
+    if selector.startswith("gin."):
+      continue
+    obj = _resolve(selector)
+    short = ".".join(selector.split(".")[-2:])
+    name = next(iter(bindings))
+    hint = ""
+    if obj in owners:
+      owner, field = owners[obj]
+      owner_name = names.get(owner.__module__, owner.__module__.rsplit(".", 1)[-1])
+      hint = f": also bind {owner_name}.{owner.__qualname__}.{field} = @{short}()"
+    raise ConfigError(
+      f"{locate(selector, name, files, params)}: {short}.{name} is bound but nothing builds "
+      f"{short} through gin, so it would be ignored{hint}"
+    )
+
+
+def _functions_bound(config: dict, fn: Callable[..., Any]) -> list[str]:
+  """The other `asearcher_jax.apps` functions the configuration binds (unscoped), as
+  'module.function' (what a gin file meant for another subcommand configures)."""
+  return sorted(
+    f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__name__}"
+    for (scope, sel) in config
+    if not scope
+    and inspect.isfunction(obj := _resolve(sel))
+    and obj is not fn
+    and obj.__module__.startswith("asearcher_jax.apps.")
+  )
+
+
+def _value_problem(name: str, value: Any) -> str:
+  """Why a bound value can never work, or "": a port (`port`, `*_port`) outside 0-65535, a
+  path under a regular file, a directory parameter (`*_dir`) that is a regular file."""
+  if (name == "port" or name.endswith("_port")) and isinstance(value, int):
+    return "" if 0 <= value <= 65535 else f"{value} is not a port (0-65535; 0: any free one)"
+  if not isinstance(value, str | Path) or not str(value).strip():
+    return ""
+  if isinstance(value, str) and ("\n" in value or "://" in value or len(value) > 4096):
+    return ""
+  path = Path(value).expanduser()
+  for parent in path.parents:
+    if parent.is_file():
+      return f"{str(value)!r} lies under {str(parent)!r}, which is a file, not a directory"
+  if name.endswith("dir") and path.is_file():
+    return f"{str(value)!r} is a file, not a directory"
+  return ""
 
 
 def _at(e: Exception, selector: str, bindings: dict, files: Sequence[str],
@@ -221,4 +351,6 @@ def _at(e: Exception, selector: str, bindings: dict, files: Sequence[str],
 
 
 def _type_name(annotation: Any) -> str:
+  if typing.get_origin(annotation) is typing.Literal:
+    return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
   return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")

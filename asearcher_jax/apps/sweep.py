@@ -124,6 +124,20 @@ def table(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
   return "\n".join(lines)
 
 
+def check_points(argvs: Sequence[Sequence[str]], names: Sequence[str]) -> None:
+  """Each point's configuration checked (`--check`: parsed, type-checked, nothing run) before
+  any point runs, so a typo in the grid's last point costs seconds, not the earlier points'
+  hours; the first mistake is one line naming the point."""
+  for argv, name in zip(argvs, names, strict=True):
+    try:
+      out = subprocess.run([*argv, "--check"], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+      raise AsearcherError(f"sweep: {name}: checking its configuration took over 600 s") from None
+    if out.returncode != 0:
+      lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
+      raise AsearcherError(f"sweep: {name}: {lines[-1]}")
+
+
 def sweep(
   *,
   command: str = "train",
@@ -164,14 +178,19 @@ def sweep(
     if command != "train":
       raise AsearcherError(f"sweeping.sweep.command: a launched point runs train, not {command!r}")
     sweep_launch.launch_point(launch_spec, launch_backend, out, "p00", [])
-  rows = []
+  argvs = []
   for i, point in enumerate(todo):
     run_dir = out / point_name(i, point)
-    argv = [sys.executable, "-m", "asearcher_jax.main", command,
+    argvs.append([sys.executable, "-m", "asearcher_jax.main", command,
             *(f"--gin_file={f}" for f in gin_files), *(f"--gin_param={p}" for p in gin_params),
             *(f"--gin_param={k}={v}" for k, v in point.items()),
             *([f"--gin_param={run_dir_param}={json.dumps(str(run_dir))}"] if run_dir_param else []),
-            f"--operative_config={run_dir / 'operative_config.gin'}"]  # fmt: skip
+            f"--operative_config={run_dir / 'operative_config.gin'}"])  # fmt: skip
+  if launch_spec is None:
+    check_points(argvs, [point_name(i, p) for i, p in enumerate(todo)])
+  rows = []
+  for i, (point, argv) in enumerate(zip(todo, argvs, strict=True)):
+    run_dir = out / point_name(i, point)
     if launch_spec is not None:
       params = [*gin_params, *(f"{k}={v}" for k, v in point.items())]
       lp = sweep_launch.launch_point(launch_spec, launch_backend, out, run_dir.name, params)

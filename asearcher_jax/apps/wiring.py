@@ -99,8 +99,9 @@ class ToolsConfig:
   kind: Literal["local", "web", "none"] = "local"
   # How the web setting reads pages: "jina" (the reader) or "direct" (fetch + HTML to markdown).
   web_access: Literal["jina", "direct"] = "jina"
-  # Where the local servers are; None: the program's own server (started on 127.0.0.1, announced
-  # in an address directory of its run).
+  # Where the local servers are and how the client tries them; None, or one naming neither
+  # addresses nor addr_dir: the program's own server (started on 127.0.0.1, announced in an
+  # address directory of its run), with this client's other settings.
   local: LocalRetrievalConfig | None = None
   # Serper search (API key from $SERPER_API_KEY), the Jina reader and direct fetching.
   serper: SerperConfig = dataclasses.field(default_factory=SerperConfig)
@@ -120,7 +121,8 @@ class ToolsConfig:
   @property
   def own_server(self) -> bool:
     """The program starts the local retrieval server itself."""
-    return self.kind == "local" and self.local is None
+    local = self.local
+    return self.kind == "local" and (local is None or not (local.addresses or local.addr_dir))
 
 
 def toolbox(
@@ -137,7 +139,9 @@ def toolbox(
       search="serper", access=config.web_access, serper=config.serper, jina=config.jina,
       fetch=config.fetch, **common,
     )  # fmt: skip
-  local = config.local or LocalRetrievalConfig(addr_dir=str(addr_dir) if addr_dir else None)
+  local = config.local or LocalRetrievalConfig()
+  if config.own_server:
+    local = dataclasses.replace(local, addr_dir=str(addr_dir) if addr_dir else None)
   return make_toolbox(search="local", access="local", local=local, **common)
 
 

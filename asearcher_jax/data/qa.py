@@ -364,19 +364,23 @@ def load_training_qa(
   (str) or `answers` (list) fields, plus `aug_answers` and a curriculum bucket when present --
   HotpotQA's, ASearcher's and SynthWiki's formats. Default: the shipped HotpotQA-100."""
   path = Path(path) if path else DEFAULT_TRAINING_QA
-  opener = gzip.open if path.suffix == ".gz" else open
-  with opener(path, "rt", encoding="utf-8") as f:
-    text = f.read()
+  if path.is_dir():
+    raise DatasetError(f"{path} is a directory, not a QA file (.json / .jsonl, optionally .gz)")
+  text = _open_text(path)
   stem = path.name.removesuffix(".gz")
-  rows = (
-    [json.loads(x) for x in text.splitlines() if x.strip()]
-    if stem.endswith(".jsonl")
-    else json.loads(text)
-  )
+  lines = _iter_jsonl(path, text) if stem.endswith(".jsonl") else _iter_json_array(path, text)
   items = []
-  for i, r in enumerate(rows[:limit]):
+  for i, (line, r) in enumerate(lines):
+    if limit is not None and i >= limit:
+      break
+    if not isinstance(r, dict):
+      raise DatasetError(f"{path}:{line}: a record must be a JSON object, got {type(r).__name__}")
+    if not isinstance(r.get("question"), str):
+      raise DatasetError(f"{path}:{line}: no 'question' string in the record")
     answers = r.get("answers", r.get("answer"))
     answers = [answers] if isinstance(answers, str) else list(answers or [])
+    if not answers:
+      raise DatasetError(f"{path}:{line}: no 'answer' (str) or 'answers' (list) in the record")
     items.append(
       QAExample(
         id=str(r.get("id", r.get("_id", i))),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax.agent.trajectory import Trajectory
+from asearcher_jax.errors import AsearcherError
 
 EPISODES_FILE = "episodes.jsonl.gz"
 
@@ -94,13 +95,24 @@ def _members(raw: bytes) -> Iterator[bytes]:
 
 
 def read_episodes(path: str | Path) -> list[dict[str, Any]]:
-  """Every complete record of an episode export (`trajectory` left as JSON)."""
+  """Every complete record of an episode export (`trajectory` left as JSON). A member cut off by
+  a crash is skipped (it was never acknowledged); a complete one that does not hold JSON
+  objects is corruption, an `AsearcherError` naming the file and line."""
   path = Path(path)
   if not path.exists():
     return []
   out = []
+  n = 0
   for chunk in _members(path.read_bytes()):
-    for line in chunk.decode("utf-8").splitlines():
-      if line.strip():
-        out.append(json.loads(line))
+    for line in chunk.decode("utf-8", errors="replace").splitlines():
+      n += 1
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise AsearcherError(f"{path}:{n}: not an episode record ({e.msg})") from None
+      if not isinstance(record, dict):
+        raise AsearcherError(f"{path}:{n}: not an episode record (a JSON object)")
+      out.append(record)
   return out

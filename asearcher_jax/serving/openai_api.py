@@ -156,8 +156,7 @@ class OpenAIServer:
       keepalive_timeout=self.config.header_timeout_s,
     )  # fmt: skip
     await self._runner.setup()
-    site = web.TCPSite(self._runner, self.config.host, self.config.port)
-    await site.start()
+    await http_guard.listen(self._runner, self.config.host, self.config.port)
     self.port = int(next(a for a in self._runner.addresses if isinstance(a, tuple))[1])
     log.info("OpenAI API on http://%s:%d", self.config.host, self.port)
     return self.port

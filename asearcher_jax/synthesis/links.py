@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from asearcher_jax.errors import AsearcherError
 from asearcher_jax.tools.retrieval.corpus import PageStore, page_key
 
 _WORD = re.compile(r"\w+(?:['’.-]\w+)*|[^\w\s]", re.UNICODE)
@@ -62,7 +63,14 @@ class LinkGraph:
   @classmethod
   def from_links_file(cls, path: str | Path, store: PageStore | None = None) -> LinkGraph:
     """ASearcher's links json; with `store`, links to pages it does not hold are dropped."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+      data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+      raise AsearcherError(f"cannot read links file {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise AsearcherError(f"links file {path} is not JSON ({e})") from None
+    if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
+      raise AsearcherError(f"links file {path}: expected {{page: {{'links': [...]}}}}")
     graph = cls()
     for src, row in data.items():
       for dst in row.get("links", ()):

@@ -90,12 +90,17 @@ def _em(traj: Trajectory) -> float | None:
 def _train_episodes(path: Path, root: Path) -> list[Episode]:
   prefix = "" if path.parent == root else f"{path.parent.relative_to(root)}:"
   out = []
-  for rec in read_episodes(path):
-    traj = Trajectory.from_json(rec["trajectory"])
+  for n, rec in enumerate(read_episodes(path), 1):
+    try:
+      traj = Trajectory.from_json(rec["trajectory"])
+      episode_id = f"train:{prefix}{rec['group_id']}#{rec['episode']}"
+    except (KeyError, TypeError, ValueError) as e:
+      what = f"no {e.args[0]!r} field" if isinstance(e, KeyError) else str(e).splitlines()[0]
+      raise AsearcherError(f"{path}: episode record {n}: {what}") from None
     meta = {k: v for k, v in rec.items() if k != "trajectory"}
     out.append(
       Episode(
-        id=f"train:{prefix}{rec['group_id']}#{rec['episode']}",
+        id=episode_id,
         source="train",
         trajectory=traj,
         score=rec.get("score"),

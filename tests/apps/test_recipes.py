@@ -10,6 +10,7 @@ import gin
 import pytest
 
 from asearcher_jax import main as cli
+from asearcher_jax.apps import gin_config
 from asearcher_jax.tokenizer import Tokenizer
 from tests.apps.test_train_agents_tools import PROMPT_MARKS, groups, prompt_text
 
@@ -43,6 +44,10 @@ def test_recipe_configures_train_serve_and_plan(name):
   agent, tools = RECIPES[name]
   try:
     for command in ("train", "serve-model", "serve-retrieval", "plan"):
+      if command == "serve-retrieval" and tools == "web":  # no retrieval server: a mistake
+        with pytest.raises(gin_config.ConfigError, match="nothing here binds serve_retrieval"):
+          configure(command, [recipe])
+        continue
       configure(command, [recipe])
     if agent != "asearcher":  # the default agent is left unbound
       assert value("train_config.AgentChoice.name") == agent

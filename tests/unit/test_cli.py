@@ -50,7 +50,10 @@ def test_every_subcommand_help_names_each_parameter_of_its_config(tmp_path):
   assert set(texts) == set(main.SUBCOMMANDS)
   for name, target in main.SUBCOMMANDS.items():
     text = texts[name]
-    params = cli_help.parameters(main._resolve(target))
+    default = main.default_gin_file(name)
+    files = cli_help.gin_includes(default, main.GIN_SEARCH_PATHS) if default else []
+    names = cli_help.module_names(main._resolve(target), cli_help.file_imports(files))
+    params = cli_help.parameters(main._resolve(target), names)  # named as the gin files do
     fn_selector = params[0].selector
     assert fn_selector.split(".")[-1] == target.split(":")[1]
     own = [p for p in params if p.selector == fn_selector]

@@ -43,3 +43,38 @@ def test_gin_file_parses_and_builds(path):
 def test_every_preset_has_a_model_gin(name):
   texts = [p.read_text() for p in (GIN_ROOT / "models").glob("*.gin")]
   assert any(f'presets.model_config.name = "{name}"' in t for t in texts)
+
+
+def _subcommand(path: Path) -> str | None:
+  """The subcommand a gin file configures: the one whose function it binds, else None (model
+  layers and overlays are read only through the files that include them)."""
+  gin.clear_config()
+  for p in main.GIN_SEARCH_PATHS:
+    gin.add_config_file_search_path(str(p))
+  try:
+    gin.parse_config_files_and_bindings([str(path)], [], skip_unknown=False)
+    bound = {sel for _, sel in gin.config._CONFIG}
+    for name, target in main.SUBCOMMANDS.items():
+      fn = main._resolve(target)
+      configurable = gin.config._INVERSE_REGISTRY.get(fn)
+      if configurable is not None and configurable.selector in bound:
+        return name
+    return None
+  finally:
+    gin.clear_config()
+
+
+CONFIGURING = [p for p in FILES if p.parent.name in ("runs", "experiments", "sweeps")]
+
+
+@pytest.mark.parametrize("path", CONFIGURING, ids=lambda p: str(p.relative_to(GIN_ROOT)))
+def test_gin_file_passes_the_command_lines_checks(path):
+  """What `asearcher SUBCOMMAND --gin_file PATH` checks before it runs: every binding has the
+  right type, names no path under a file, and reaches the subcommand through gin (a binding of
+  a class nothing builds would be ignored)."""
+  name = _subcommand(path)
+  assert name is not None, f"{path} binds no subcommand's function"
+  try:
+    main.configure(name, [str(path)], [])
+  finally:
+    gin.clear_config()

@@ -104,17 +104,24 @@ def file_sha256(path: Path) -> str:
   return digest.hexdigest()
 
 
+def _check_file(path: Path) -> None:
+  if not path.exists():
+    raise CorpusError(f"corpus file not found: {path}")
+  if path.is_dir():
+    raise CorpusError(f"{path} is a directory, not a corpus file (.jsonl / .json, optionally .gz)")
+
+
 def corpus_sha256(paths: Sequence[Path]) -> str:
   """One checksum over the files' bytes, in order (recorded in the index manifest)."""
   digest = hashlib.sha256()
   for path in paths:
+    _check_file(Path(path))
     digest.update(file_sha256(path).encode())
   return digest.hexdigest()
 
 
 def _open_text(path: Path) -> io.TextIOBase:
-  if not path.exists():
-    raise CorpusError(f"corpus file not found: {path}")
+  _check_file(path)
   if path.suffix == ".gz":
     return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
   return open(path, encoding="utf-8")

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -62,7 +62,25 @@ class BM25Config:
   # Length normalisation.
   b: float = 0.75
   # bm25s scoring variant: "lucene", "robertson", "atire", "bm25l" or "bm25+".
-  method: str = "lucene"
+  method: Literal["lucene", "robertson", "atire", "bm25l", "bm25+"] = "lucene"
+
+  def __post_init__(self):
+    import Stemmer
+
+    if self.stemmer is not None and self.stemmer not in Stemmer.algorithms():
+      raise ValueError(
+        f"stemmer {self.stemmer!r} is not a PyStemmer language ({', '.join(Stemmer.algorithms())})"
+      )
+    if self.stopwords is not None:
+      try:
+        _import_bm25s().tokenization._infer_stopwords(self.stopwords)
+      except ValueError:
+        raise ValueError(
+          f"stopwords {self.stopwords!r} is not a bm25s stopword list ('en', 'de', 'fr', ...)"
+        ) from None
+    methods = ("lucene", "robertson", "atire", "bm25l", "bm25+")
+    if self.method not in methods:
+      raise ValueError(f"method {self.method!r} is not one of {', '.join(methods)}")
 
 
 class Retriever(Protocol):

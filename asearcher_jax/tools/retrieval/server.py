@@ -265,8 +265,7 @@ class RetrievalServer:
       self.make_app(), access_log=None, keepalive_timeout=self.config.header_timeout_s
     )
     await self._runner.setup()
-    site = web.TCPSite(self._runner, self.config.host, self.config.port)
-    await site.start()
+    await http_guard.listen(self._runner, self.config.host, self.config.port)
     sockets = [s for s in self._runner.addresses if isinstance(s, tuple)]
     self.port = int(sockets[0][1])
     if self.config.addr_dir:

@@ -1,0 +1,181 @@
+"""The command line's answer to the cheap mistakes a user makes: each is one line naming where
+it was made and what to write instead, found before anything loads; never a traceback, never
+a binding silently ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+
+import gin
+import pytest
+from aiohttp import web
+
+from asearcher_jax import http_guard, main
+from asearcher_jax.apps import gin_config, wiring
+from asearcher_jax.data.qa import DatasetError, load_training_qa
+from asearcher_jax.errors import AsearcherError
+from asearcher_jax.rl.episodes import read_episodes
+from asearcher_jax.tools.search import LocalRetrievalConfig
+from asearcher_jax.views import runs
+
+
+@pytest.fixture(autouse=True)
+def _clear_gin():
+  yield
+  gin.clear_config()
+
+
+def config_error(subcommand: str, files: list[str], params: list[str]) -> str:
+  with pytest.raises(gin_config.ConfigError) as e:
+    main.configure(subcommand, files, params)
+  assert "\n" not in str(e.value)
+  return str(e.value)
+
+
+def test_help_names_parameters_as_the_default_gin_files_import_them():
+  """gin/runs/sft.gin imports the subcommand's module as `commands` (its `sft` is the library
+  package), so the help says `commands.sft.*`, and that name binds."""
+  text = main._help("sft", [])
+  assert "commands.sft.out_dir = 'runs/sft'" in text and "  sft.sft." not in text
+  fn = main.configure("sft", [], ['commands.sft.trajectories = "t.jsonl"'])
+  assert gin.query_parameter("commands.sft.trajectories") == "t.jsonl"
+  assert callable(fn)
+
+
+def test_a_class_nothing_builds_is_an_error_that_names_what_to_bind():
+  """config.ModelConfig is reachable from sft's signature (a default instance), but the default
+  gin files never build it: its bindings would be ignored. The help says so, the binding is an
+  error naming the parameter to bind, and binding that too is accepted."""
+  assert "(config.ModelConfig.* take effect once gin builds it: also bind loading.PolicyConfig" in (
+    main._help("sft", [])
+  )
+  flags = ['commands.sft.trajectories = "t.jsonl"', "config.ModelConfig.remat = True"]
+  line = config_error("sft", [], flags)
+  assert line.startswith("--gin_param='config.ModelConfig.remat = True': ")
+  assert "nothing builds config.ModelConfig" in line
+  assert "also bind loading.PolicyConfig.model = @config.ModelConfig()" in line
+  main.configure("sft", [], [*flags, "loading.PolicyConfig.model = @config.ModelConfig()"])
+  assert gin.query_parameter("config.ModelConfig.remat") is True
+
+
+def test_a_macro_nothing_uses_is_an_error():
+  line = config_error("inspect", [], ['run_dir = "runs/x"'])
+  assert line.startswith("--gin_param='run_dir = \"runs/x\"': run_dir = 'runs/x' binds a gin macro")
+  # A macro the gin files use is a binding (gin/runs/sft.gin reads %TRAJECTORIES).
+  main.configure("sft", [], ['TRAJECTORIES = "t.jsonl"'])
+
+
+def test_another_subcommands_gin_file_is_named():
+  line = config_error("train", ["gin/experiments/quickstart.gin"], [])
+  assert "nothing here binds train.train; it configures quickstart.quickstart" in line
+
+
+def test_a_subcommand_no_gin_file_configures_runs_on_its_defaults():
+  """`plan` has no default gin file: gin never registers it, and its defaults run."""
+  fn = main.configure("plan", [], [])
+  assert fn is main._resolve(main.SUBCOMMANDS["plan"])
+
+
+def test_paths_under_a_file_and_files_for_directories(tmp_path):
+  (tmp_path / "afile").write_text("x")
+  under = f'index.build_index.index_dir = "{tmp_path}/afile/index"'
+  line = config_error("index", [], [under])
+  assert line.startswith(f"--gin_param={under!r}: index.build_index.index_dir: ")
+  assert f"lies under '{tmp_path}/afile', which is a file, not a directory" in line
+  line = config_error("index", [], [f'index.build_index.index_dir = "{tmp_path}/afile"'])
+  assert line.endswith(f"'{tmp_path}/afile' is a file, not a directory")
+
+
+def test_ports_and_unquoted_strings():
+  line = config_error("serve-retrieval", [], ["serve_retrieval.serve.port = 99999"])
+  assert line.endswith("serve_retrieval.serve.port: 99999 is not a port (0-65535; 0: any free one)")
+  line = config_error("plan", [], ["plan.plan.chip = v5p"])
+  assert "v5p is not a value: a string needs quotes" in line
+  assert """--gin_param='plan.plan.chip="v5p"'""" in line
+  line = config_error("long-horizon", [], ['long_horizon.run_dir = "x"'])
+  assert "'long_horizon' was not provided by an import statement" in line  # the help's name: lh.
+
+
+def test_flags_of_the_command_line_itself(capsys, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    main.main(["plan", "--log_level", "bogus"])
+  assert e.value.code == 2 and "invalid choice: 'BOGUS'" in capsys.readouterr().err
+  (tmp_path / "afile").write_text("x")
+  assert main.main(["plan", "--operative_config", f"{tmp_path}/afile/op.gin"]) == 2
+  (err,) = capsys.readouterr().err.strip().splitlines()
+  assert err == (
+    f"asearcher plan: config error: --operative_config={tmp_path}/afile/op.gin: "
+    f"{tmp_path}/afile is a file, not a directory"
+  )
+
+
+def _raise_not_a_directory() -> int:
+  raise NotADirectoryError(20, "Not a directory", "/x/afile/out")
+
+
+def test_an_os_error_at_run_time_is_one_line(capsys, monkeypatch):
+  monkeypatch.setitem(main.SUBCOMMANDS, "plan", f"{__name__}:_raise_not_a_directory")
+  monkeypatch.setenv("ASEARCHER_COMPILE_CACHE", "off")
+  assert main.main(["plan"]) == 1
+  (err,) = capsys.readouterr().err.strip().splitlines()
+  assert err.startswith("asearcher plan: error: [Errno 20] Not a directory: '/x/afile/out'")
+
+
+def test_a_port_in_use_names_the_address():
+  async def go():
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      s.listen()
+      port = s.getsockname()[1]
+      runner = web.AppRunner(web.Application())
+      await runner.setup()
+      with pytest.raises(AsearcherError, match=f"cannot listen on 127.0.0.1:{port}: address"):
+        await asyncio.wait_for(http_guard.listen(runner, "127.0.0.1", port), 30)
+
+  asyncio.run(go())
+
+
+def test_training_questions_file_mistakes_name_the_file_and_line(tmp_path):
+  with pytest.raises(DatasetError, match=r"cannot read QA file .*nope\.jsonl"):
+    load_training_qa(tmp_path / "nope.jsonl")
+  with pytest.raises(DatasetError, match="is a directory, not a QA file"):
+    load_training_qa(tmp_path)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"question": "q", "answer": "a"}\n{bad\n')
+  with pytest.raises(DatasetError, match=r"bad.jsonl:2: broken JSON line"):
+    load_training_qa(bad)
+  keyless = tmp_path / "keyless.json"
+  keyless.write_text('[\n{"question": "q", "answer": "a"},\n{"q": "x", "answer": "a"}\n]')
+  with pytest.raises(DatasetError, match=r"keyless.json:3: no 'question' string"):
+    load_training_qa(keyless)
+  assert [x.question for x in load_training_qa(keyless, limit=1)] == ["q"]
+
+
+def test_corrupt_episode_exports_name_the_file(tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  path = run / "episodes.jsonl.gz"
+  path.write_bytes(gzip.compress(b'{"group_id": 1}\n{bad\n'))
+  with pytest.raises(AsearcherError, match=r"episodes.jsonl.gz:2: not an episode record"):
+    read_episodes(path)
+  path.write_bytes(gzip.compress(json.dumps({"group_id": 1, "episode": 0}).encode() + b"\n"))
+  with pytest.raises(AsearcherError, match="episode record 1: no 'trajectory' field"):
+    runs.RunDir(run).episodes  # noqa: B018
+
+
+def test_the_trainers_own_retrieval_server_keeps_its_client_settings(monkeypatch, tmp_path):
+  """A recipe binds the client (`concurrency`) without an address: the program still starts its
+  own server, and the client it talks to it with keeps the recipe's settings."""
+  seen = {}
+  monkeypatch.setattr(wiring, "make_toolbox", lambda **kw: seen.update(kw))
+  tools = wiring.ToolsConfig(local=LocalRetrievalConfig(concurrency=128))
+  assert tools.own_server
+  wiring.toolbox(tools, addr_dir=tmp_path)
+  assert seen["local"] == LocalRetrievalConfig(concurrency=128, addr_dir=str(tmp_path))
+  remote = wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=("10.0.0.2:8000",)))
+  assert not remote.own_server
+  wiring.toolbox(remote, addr_dir=tmp_path)
+  assert seen["local"].addresses == ("10.0.0.2:8000",) and seen["local"].addr_dir is None
