@@ -199,7 +199,12 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str],
   what the caller builds through gin, and other subcommands, whose bindings a recipe shared by
   two processes holds) and that the subcommand's required parameters are bound."""
   config = dict(gin.config._CONFIG)  # ({(scope, selector): {name: value}})
-  for (_, selector), bindings in config.items():
+  # Classes whose bindings reference no other configurable are built first, so a bad value is
+  # reported at its own binding, not at the class that references its class.
+  leaves_first = sorted(
+    config.items(), key=lambda kv: any(True for v in kv[1].values() for _ in _references(v))
+  )
+  for (_, selector), bindings in leaves_first:
     obj = _resolve(selector)
     if obj is None or selector.startswith("gin."):
       continue

@@ -1,7 +1,7 @@
 """`asearcher inspect`: a run's episodes in the terminal, turn by turn and token by token.
 
-  python -m asearcher_jax.apps.inspect RUN_DIR [--episode ID | --question QID | --worst N]
-  asearcher inspect --gin_param='inspect.run_dir="RUN_DIR"' --gin_param=inspect.worst=5
+  asearcher inspect RUN_DIR [--episode ID | --question QID | --worst N]
+  asearcher inspect --gin_param='inspect.inspect.run_dir="RUN_DIR"' --gin_param=inspect.inspect.worst=5
 
 RUN_DIR is any directory a run wrote (`asearcher quickstart`, `train`, `eval`): training episode
 exports and evaluation snapshots below it are found wherever they are (`views.runs`). Without a
@@ -46,9 +46,9 @@ def inspect(
   """
   chosen = [x for x in (episode, question, worst) if x is not None]
   if len(chosen) > 1:
-    raise AsearcherError("give at most one of --episode, --question and --worst")
+    raise AsearcherError("give at most one of episode, question and worst (--episode, --question, --worst)")
   if worst is not None and worst < 1:
-    raise AsearcherError(f"--worst must be >= 1, got {worst}")
+    raise AsearcherError(f"worst (--worst) must be >= 1, got {worst}")
   run = runs.RunDir(run_dir)
   console = Console(width=width, highlight=False)
   tok = run.tokenizer

@@ -185,7 +185,8 @@ async def _serve(
       await asyncio.wait_for(stop.wait(), serve_seconds)
   finally:
     if addr_path is not None:
-      addr_path.unlink(missing_ok=True)
+      with contextlib.suppress(OSError):  # e.g. a directory there: the servers still stop
+        addr_path.unlink(missing_ok=True)
     if grpc_server is not None:
       await grpc_server.stop()
     await api.stop()
