@@ -46,7 +46,9 @@ def inspect(
   """
   chosen = [x for x in (episode, question, worst) if x is not None]
   if len(chosen) > 1:
-    raise AsearcherError("give at most one of episode, question and worst (--episode, --question, --worst)")
+    raise AsearcherError(
+      "give at most one of episode, question and worst (--episode, --question, --worst)"
+    )
   if worst is not None and worst < 1:
     raise AsearcherError(f"worst (--worst) must be >= 1, got {worst}")
   run = runs.RunDir(run_dir)
