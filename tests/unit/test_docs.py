@@ -3,7 +3,8 @@
 Checked: every repository path they mention (files, folders, `{a,b}` alternatives and `*` globs),
 every `asearcher <subcommand>`, and every gin selector `<alias>.<name>.<field>` (the alias as some
 gin file imports it, the name an attribute of that module, the field a parameter or config field).
-Also: every gin file's header says what it requires and which `asearcher` command runs it.
+Also: every gin file's header says what it requires and which `asearcher` command runs it, and
+every `--gin_param` an example shows binds (README, docs, gin headers, docstrings).
 """
 
 from __future__ import annotations
@@ -132,3 +133,68 @@ def test_every_gin_header_says_what_it_requires_and_how_to_run_it(path):
   )
   for sub in SUBCOMMAND_RE.findall(text):
     assert sub in main.SUBCOMMANDS, f"{path.relative_to(ROOT)}: unknown subcommand {sub!r}"
+
+
+# `asearcher SUB [--gin_file F | F.gin]... --gin_param=B ...` as the docs, gin headers and
+# docstrings write it (backslash continuations joined, in comments too).
+_COMMAND_RE = re.compile(
+  r"asearcher ([a-z-]+)((?: +(?:--gin_file[ =]\S+|--gin_param[ =](?:'[^']*'|\"[^\"]*\"|\S+)"
+  r"|\S+\.gin))+)"
+)
+# What a flag that cannot bind says (the name is wrong), against a value a config refuses or a
+# required parameter left out (the example's placeholders).
+_UNBINDABLE = (
+  "not provided by an import", "Couldn't resolve", "doesn't have a parameter",
+  "No configurable matching", "nothing builds", "macro nothing uses", "is not a value",
+  "not MODULE", "Unable to open",
+)  # fmt: skip
+
+
+def _documented_commands() -> list[tuple[str, str, list[str], list[str]]]:
+  sources = [*DOCS, *GIN_FILES, *sorted((ROOT / "asearcher_jax").rglob("*.py"))]
+  found = []
+  for path in sources:
+    text = re.sub(r"\\\s*\n\s*#?\s*", " ", path.read_text())
+    for m in _COMMAND_RE.finditer(text):
+      if m.group(1) not in main.SUBCOMMANDS:
+        continue
+      files, params = [], []
+      args = iter(re.findall(r"'[^']*'|\"[^\"]*\"|\S+", m.group(2)))
+      for a in args:
+        a = a.strip("`")
+        flag, _, value = a.partition("=")
+        if flag in ("--gin_file", "--gin_param") and not value:
+          value = next(args, "")
+        value = value.strip("`")
+        if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+          value = value[1:-1]
+        if flag == "--gin_file":
+          files.append(value)
+        elif flag == "--gin_param":
+          params.append(value)
+        elif a.endswith(".gin"):
+          files.append(a)
+      if params:
+        found.append((str(path.relative_to(ROOT)), m.group(1), files, params))
+  return found
+
+
+def test_every_documented_gin_param_binds():
+  """A `--gin_param` the docs show names something that binds with the files the example reads
+  (the placeholders' values may be refused: only the names are checked)."""
+  import gin
+
+  from asearcher_jax.apps.gin_config import ConfigError
+
+  examples = _documented_commands()
+  assert len(examples) >= 30, examples  # the README's, the gin headers', the docstrings'
+  wrong = []
+  for where, sub, files, params in examples:
+    try:
+      main.configure(sub, files, params)
+    except ConfigError as e:
+      if any(k in str(e) for k in _UNBINDABLE):
+        wrong.append(f"{where}: asearcher {sub} {files} {params}: {e}")
+    finally:
+      gin.clear_config()
+  assert not wrong, "\n".join(wrong)
