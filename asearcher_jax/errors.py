@@ -19,3 +19,8 @@ class UnsupportedModelError(AsearcherError):
 
 class TokenizerError(AsearcherError):
   """A tokenizer directory is missing files or holds unreadable ones."""
+
+
+class ConfigValueError(AsearcherError):
+  """A configured value the command refused once it ran (a combination no single type or
+  config class can check): a configuration mistake, exit status 2 like those found before."""

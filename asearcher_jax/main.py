@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import AsearcherError, ConfigValueError
 
 # Subcommand -> "module:function". Imported lazily so `asearcher --help` stays fast and a broken
 # optional dependency of one subcommand does not break the others.
@@ -245,8 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   except AsearcherError as e:
     # One line: gin appends "In call to configurable ..." lines to exceptions it passes through.
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
-    print(f"asearcher {args.subcommand}: error: {message}", file=sys.stderr)
-    return 1
+    config = isinstance(e, ConfigValueError)
+    print(f"asearcher {args.subcommand}: {'config error' if config else 'error'}: {message}",
+          file=sys.stderr)  # fmt: skip
+    return 2 if config else 1
   except OSError as e:
     # A path, address or port the system refused (a file where a directory must be, a port in
     # use, an unknown host): one line; the traceback is logged at DEBUG.

@@ -26,6 +26,7 @@ import gin.config
 import gin.resource_reader
 
 from asearcher_jax.apps import cli_help
+from asearcher_jax.errors import AsearcherError
 
 
 class ConfigError(Exception):
@@ -225,7 +226,7 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str],
         if "required" in str(e):
           continue  # fields without defaults come from the code that builds it
         raise ConfigError(_at(e, selector, bindings, files, params, short)) from None
-      except ValueError as e:
+      except (ValueError, AsearcherError) as e:  # its own checks (`__post_init__`)
         raise ConfigError(_at(e, selector, bindings, files, params, short)) from None
   target = f"{fn.__module__}.{fn.__qualname__}"
   # gin keys a dynamically registered function by the alias its file imported it under
@@ -351,7 +352,8 @@ def _at(e: Exception, selector: str, bindings: dict, files: Sequence[str],
         params: Sequence[str], short: str) -> str:  # fmt: skip
   """One line for a value a config class rejected, at the binding its message names."""
   message = _one_line(e)
-  name = next((n for n in bindings if n in message), next(iter(bindings), ""))
+  named = (n for n in bindings if re.search(rf"\b{re.escape(n)}\b", message))
+  name = next(named, next(iter(bindings), ""))
   return f"{locate(selector, name, files, params)}: {short}: {message}"
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import AsearcherError, ConfigValueError
 from asearcher_jax.views import runs, terminal
 
 
@@ -46,11 +46,11 @@ def inspect(
   """
   chosen = [x for x in (episode, question, worst) if x is not None]
   if len(chosen) > 1:
-    raise AsearcherError(
+    raise ConfigValueError(
       "give at most one of episode, question and worst (--episode, --question, --worst)"
     )
   if worst is not None and worst < 1:
-    raise AsearcherError(f"worst (--worst) must be >= 1, got {worst}")
+    raise ConfigValueError(f"worst (--worst) must be >= 1, got {worst}")
   run = runs.RunDir(run_dir)
   console = Console(width=width, highlight=False)
   tok = run.tokenizer

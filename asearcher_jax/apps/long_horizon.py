@@ -35,7 +35,7 @@ from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps import sft as sft_commands
 from asearcher_jax.apps.warm_start import SFTStage
 from asearcher_jax.apps.world import WorldFiles, expert_trajectories, prepare_world
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import AsearcherError, ConfigValueError
 from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.synthwiki import copy_drills
@@ -243,7 +243,7 @@ def expert_questions(sw: SynthWiki, prefix_hops: tuple[int, ...]) -> list[SynthQ
   """The expert's questions: the train split, then the first h hops of its chains for each h in
   `prefix_hops` (those unique in the world)."""
   if any(h < 1 for h in prefix_hops):
-    raise AsearcherError(f"LongWarmStart.prefix_hops must be hop counts >= 1, got {prefix_hops}")
+    raise ConfigValueError(f"LongWarmStart.prefix_hops must be hop counts >= 1, got {prefix_hops}")
   prefixes = chain_prefixes(sw.world, sw.train, prefix_hops, sw.world.config.question_style)
   if prefix_hops and not prefixes:
     raise AsearcherError(f"LongWarmStart.prefix_hops={prefix_hops}: no train chain is longer")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import ConfigValueError
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.rl import plan_memory as mem
 from asearcher_jax.rl import plan_sim
@@ -43,7 +43,7 @@ def estimate(
 ) -> dict:
   """The plan as a dict (GB per chip by part, fits, step times, async vs sync)."""
   if chip not in mem.CHIPS:
-    raise AsearcherError(f"unknown chip {chip!r} (known: {', '.join(mem.CHIPS)})")
+    raise ConfigValueError(f"unknown chip {chip!r} (known: {', '.join(mem.CHIPS)})")
   t = mem.trainer_memory(model, trainer)
   s = mem.serving_memory(model, serving)
   tokens = schedule.batch_groups * schedule.group_size * tokens_per_episode

@@ -40,7 +40,7 @@ from asearcher_jax.apps.stages import StageTracker
 from asearcher_jax.apps.train_config import AgentChoice, LearnerConfig, TrainConfig
 from asearcher_jax.apps.world import RetrievalThread, WorldFiles, prepare_world
 from asearcher_jax.data.qa import QAExample, load_qa_file, load_training_qa
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import AsearcherError, ConfigValueError
 from asearcher_jax.evaluation import report as eval_report
 from asearcher_jax.evaluation.runner import EvalRunner, RunnerConfig
 from asearcher_jax.model import steps
@@ -188,7 +188,7 @@ def rl_pool(
         "QuickstartEval.questions below the test split's size, or QuickstartRL.questions='train'"
       )
   else:
-    raise AsearcherError(f"QuickstartRL.questions must be 'heldout' or 'train', got {which!r}")
+    raise ConfigValueError(f"QuickstartRL.questions must be 'heldout' or 'train', got {which!r}")
   if prefix_hops:
     if sw is None:
       raise AsearcherError("rl_pool: prefix_hops needs the world (sw)")
@@ -207,7 +207,7 @@ def prefix_pool(
   """The first h hops of every chain among `items`, for each h in `hops` (longer chains only,
   each checked unique), written to `path` (QA jsonl) and read back as RL questions."""
   if any(h < 1 for h in hops):
-    raise AsearcherError(f"QuickstartRL.prefix_hops must be hop counts >= 1, got {hops}")
+    raise ConfigValueError(f"QuickstartRL.prefix_hops must be hop counts >= 1, got {hops}")
   ids = {it.id for it in items}
   pooled = [q for q in sw.questions if q.id in ids]
   made = chain_prefixes(sw.world, pooled, hops, sw.world.config.question_style)
@@ -240,7 +240,7 @@ class QuickstartEval:
     # Checked when the config is built, not when the first evaluation starts (the long-horizon
     # run evaluates only after its warm start).
     if self.temperature is not None and not self.temperature >= 0:
-      raise AsearcherError(f"QuickstartEval.temperature must be >= 0 (got {self.temperature})")
+      raise ConfigValueError(f"QuickstartEval.temperature must be >= 0 (got {self.temperature})")
 
   def eval_temperature(self, rl_temperature: float) -> float:
     """The temperature the evaluations sample at, given the run's RL temperature."""
@@ -304,9 +304,11 @@ class QuickstartRL:
 
   def __post_init__(self) -> None:
     if not 0 <= self.hop_credit < 1:
-      raise AsearcherError(f"QuickstartRL.hop_credit must be in [0, 1) (got {self.hop_credit})")
+      raise ConfigValueError(f"QuickstartRL.hop_credit must be in [0, 1) (got {self.hop_credit})")
     if self.hop_credit and self.prefix_hops:
-      raise AsearcherError("QuickstartRL.hop_credit does not credit prefix_hops questions: use one")
+      raise ConfigValueError(
+        "QuickstartRL.hop_credit does not credit prefix_hops questions: use one"
+      )
 
 
 def quickstart(

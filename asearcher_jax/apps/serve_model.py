@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import AsearcherError, ConfigValueError
 from asearcher_jax.model.loading import PolicyConfig, load_policy
 from asearcher_jax.serving.driver import Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
@@ -94,10 +94,10 @@ def serve(
     serve_seconds: stop after this long (smoke runs and tests); None: until a signal.
   """
   if weights_poll_s <= 0:
-    raise AsearcherError(f"weights_poll_s must be > 0, got {weights_poll_s}")
+    raise ConfigValueError(f"weights_poll_s must be > 0, got {weights_poll_s}")
   bad = set(warmup_modes) - {"greedy", "sample", "truncate"}
   if bad:
-    raise AsearcherError(f"unknown warmup_modes {sorted(bad)}: use greedy, sample, truncate")
+    raise ConfigValueError(f"unknown warmup_modes {sorted(bad)}: use greedy, sample, truncate")
   if cpus:
     pin_cpus(cpus)
   # Weights are read (or initialised) straight into the engine's shardings on its mesh.

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from asearcher_jax.apps import sweep_launch
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import AsearcherError, ConfigValueError
 
 
 def expand(
@@ -47,7 +47,7 @@ def expand(
   keys = list(grid)
   for k in keys:
     if isinstance(grid[k], str) or not grid[k]:
-      raise AsearcherError(f"sweep grid {k!r}: give a non-empty tuple of gin literals")
+      raise ConfigValueError(f"sweep grid {k!r}: give a non-empty tuple of gin literals")
   out = (
     [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))] if keys else []
   )
@@ -172,11 +172,13 @@ def sweep(
   """
   todo = expand(grid or {}, points)
   if not todo:
-    raise AsearcherError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
+    raise ConfigValueError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
   out = Path(root)
   if launch_spec is not None:  # a mistake is one line before any point starts
     if command != "train":
-      raise AsearcherError(f"sweeping.sweep.command: a launched point runs train, not {command!r}")
+      raise ConfigValueError(
+        f"sweeping.sweep.command: a launched point runs train, not {command!r}"
+      )
     sweep_launch.launch_point(launch_spec, launch_backend, out, "p00", [])
   argvs = []
   for i, point in enumerate(todo):

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from asearcher_jax.errors import AsearcherError
+from asearcher_jax.errors import ConfigValueError
 
 # The repository root: `python -m launch` runs from here (the launcher sits next to the package).
 REPO = Path(__file__).resolve().parents[2]
@@ -64,9 +64,11 @@ class LaunchPoint:
 
 def launch_point(spec: str, backend: str, root: Path, name: str, params: list[str]) -> LaunchPoint:
   if backend not in POLL_S:
-    raise AsearcherError(f"sweeping.sweep.launch_backend: {backend!r} is not one of {list(POLL_S)}")
+    raise ConfigValueError(
+      f"sweeping.sweep.launch_backend: {backend!r} is not one of {list(POLL_S)}"
+    )
   if not Path(spec).is_file():
-    raise AsearcherError(f"sweeping.sweep.launch_spec: no such file {spec!r}")
+    raise ConfigValueError(f"sweeping.sweep.launch_spec: no such file {spec!r}")
   run_dir = str((root / name).resolve()) if backend == "local" else f"sweeps/{root.name}/{name}"
   return LaunchPoint(spec=str(Path(spec).resolve()), backend=backend, run_dir=run_dir,
                      gin_params=tuple(params), local_dir=str(root / name))  # fmt: skip

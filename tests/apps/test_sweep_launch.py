@@ -109,7 +109,9 @@ def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_pa
     ('sweeping.sweep.command="quickstart"', "a launched point runs train, not 'quickstart'"),
   ):
     rc, _, err = sweep(TINY_SWEEP, rc_spec, param)
-    assert rc == 1 and err.count("\n") == 1 and "asearcher sweep: error: sweeping.sweep." in err
+    assert (
+      rc == 2 and err.count("\n") == 1 and "asearcher sweep: config error: sweeping.sweep." in err
+    )
     assert message in err
   assert not root.exists()
   bad = tmp_path / "bad.toml"

@@ -179,3 +179,18 @@ def test_the_trainers_own_retrieval_server_keeps_its_client_settings(monkeypatch
   assert not remote.own_server
   wiring.toolbox(remote, addr_dir=tmp_path)
   assert seen["local"].addresses == ("10.0.0.2:8000",) and seen["local"].addr_dir is None
+
+
+def test_values_a_config_class_or_the_command_refuses_are_config_errors(capsys):
+  """A config class's own check (`__post_init__`) is one line at the binding (leaf classes are
+  built first, so not at the class that references it; 'k' in 'Quickstart' is not the field
+  k), and a value the command refuses once it runs is exit 2, like every config mistake."""
+  flag = "pipeline.QuickstartEval.temperature=-1.0"
+  line = config_error("quickstart", [], [flag])
+  assert line.startswith(f"--gin_param={flag!r}: pipeline.QuickstartEval: ")
+  assert "temperature must be >= 0" in line
+  line = config_error("train", [], ["staleness.StalenessConfig.batch_groups=0"])
+  assert line.startswith("--gin_param='staleness.StalenessConfig.batch_groups=0': ")
+  assert main.main(["inspect", "--gin_param=inspect.inspect.worst=0"]) == 2
+  (err,) = capsys.readouterr().err.strip().splitlines()
+  assert err == "asearcher inspect: config error: worst (--worst) must be >= 1, got 0"
