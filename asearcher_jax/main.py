@@ -149,11 +149,11 @@ def configure(subcommand: str, gin_files: Sequence[str], gin_params: Sequence[st
   if not files and (default := default_gin_file(subcommand)) is not None:
     files = [str(default)]
   fn = _resolve(SUBCOMMANDS[subcommand])
-  gin_config.parse(files, list(gin_params), fn)
+  file_macros = gin_config.parse(files, list(gin_params), fn)
   # Built through gin besides the subcommand: by `main` itself, or by another subcommand that
   # reads the same recipe (a train recipe also configures its serve-model processes).
   roots = {*ROOT_CONFIGS, *SUBCOMMANDS.values()}
-  gin_config.check(fn, files, list(gin_params), roots=roots)
+  gin_config.check(fn, files, list(gin_params), roots=roots, file_macros=file_macros)
   try:
     return gin.get_configurable(fn)
   except ValueError:  # nothing binds it (no gin file, or files for other things): its defaults

@@ -67,17 +67,19 @@ def use_package_paths(search: Sequence[Path]) -> None:
   ]
 
 
-def parse(files: Sequence[str], params: Sequence[str], fn: Callable[..., Any]) -> None:
+def parse(files: Sequence[str], params: Sequence[str], fn: Callable[..., Any]) -> set[str]:
   """gin.parse_config_files_and_bindings, one source at a time so an error names its source.
   Each `--gin_param` is read with the files' imports plus the subcommand's module and the module
   of every config class its help lists, under the names the help gives them
   (`cli_help.module_names`), so a flag names things as the help and the gin files do; gin alone
-  would read it without dynamic registration, where no such name exists."""
+  would read it without dynamic registration, where no such name exists. Returns the macros
+  the files (and their includes) define."""
   for f in files:
     try:
       gin.parse_config_file(f, skip_unknown=False)
     except Exception as e:  # gin raises whatever its parser or the imports raise
       raise ConfigError(f"{_where(e, f)}: {_one_line(e)}") from None
+  file_macros = {scope for scope, selector in gin.config._CONFIG if selector == MACRO}
   statements = [s for s in gin.config._IMPORTS if not s.module.startswith("__gin__")]
   imports = sorted(s.format() for s in statements)  # the files' imports
   known = [(s.module, s.bound_name()) for s in statements if s.is_from]
@@ -92,6 +94,7 @@ def parse(files: Sequence[str], params: Sequence[str], fn: Callable[..., Any]) -
     except Exception as e:
       raise ConfigError(f"--gin_param={p!r}: {_flag_message(p, e)}") from None
   gin.finalize()
+  return file_macros
 
 
 def _flag_message(param: str, e: BaseException) -> str:
@@ -194,7 +197,7 @@ def _hints(obj: Any) -> dict[str, Any]:
 
 
 def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str],
-          roots: Collection[str] = ()) -> None:  # fmt: skip
+          roots: Collection[str] = (), file_macros: Collection[str] = ()) -> None:  # fmt: skip
   """Type-checks every binding, checks its paths, builds every bound config dataclass once (its
   own checks run), checks that each binding reaches `fn` or one of `roots` ("module:qualname":
   what the caller builds through gin, and other subcommands, whose bindings a recipe shared by
@@ -245,7 +248,7 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str],
       f"{', '.join(files)}: nothing here binds {short}; it configures {', '.join(others)} "
       "(another subcommand's gin file?)"
     )
-  _check_reached(fn, roots, config, files, params)
+  _check_reached(fn, roots, config, files, params, file_macros)
   for name, p in inspect.signature(fn).parameters.items():
     if p.default is inspect.Parameter.empty and name not in bound:
       raise ConfigError(
@@ -271,7 +274,8 @@ MACRO = "gin.macro"
 
 
 def _check_reached(fn: Callable[..., Any], roots: Collection[str], config: dict,
-                   files: Sequence[str], params: Sequence[str]) -> None:  # fmt: skip
+                   files: Sequence[str], params: Sequence[str],
+                   file_macros: Collection[str]) -> None:  # fmt: skip
   """Every binding must be used: a class nothing builds through gin from the subcommand (or a
   root) would keep its defaults whatever is bound (a default instance in a signature is not
   gin's), and a macro nothing references (`run_dir = ...` for `inspect.inspect.run_dir = ...`)
@@ -295,7 +299,7 @@ def _check_reached(fn: Callable[..., Any], roots: Collection[str], config: dict,
   for (scope, selector), bindings in config.items():
     if key[(scope, selector)] in reached or not bindings:
       continue
-    if selector == MACRO and locate("", scope, files, []) == "the configuration":
+    if selector == MACRO and scope not in file_macros:
       # A flag's macro nothing uses (a file's may be left unused by a flag binding over it).
       raise ConfigError(
         f"{locate('', scope, files, params)}: {scope} = {bindings.get('value')!r} binds a gin "

@@ -163,10 +163,7 @@ async def _serve(
   addr_path = Path(address_file) if address_file else None
   t0 = time.perf_counter()
   try:
-    try:
-      http_port = await api.start()
-    except OSError as e:  # e.g. the port is taken: the user's to fix, so one line, no traceback
-      raise AsearcherError(f"cannot serve HTTP on {api_config.host}:{api_config.port}: {e}") from e
+    http_port = await api.start()  # a port taken: one line naming it (http_guard.listen)
     addresses = {"http": f"{api_config.host}:{http_port}"}
     print(f"serve-model: OpenAI API on http://{addresses['http']}/v1", flush=True)
     if grpc_port is not None:

@@ -137,7 +137,7 @@ def test_serve_model_on_a_taken_port_is_a_one_line_error():
       env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
   assert proc.returncode == 1, proc.stderr
-  assert f"cannot serve HTTP on 127.0.0.1:{port}" in proc.stderr
+  assert f"cannot listen on 127.0.0.1:{port}: address already in use" in proc.stderr
   assert "Traceback" not in proc.stderr
 
 

@@ -64,8 +64,13 @@ def test_a_class_nothing_builds_is_an_error_that_names_what_to_bind():
 def test_a_macro_nothing_uses_is_an_error():
   line = config_error("inspect", [], ['run_dir = "runs/x"'])
   assert line.startswith("--gin_param='run_dir = \"runs/x\"': run_dir = 'runs/x' binds a gin macro")
-  # A macro the gin files use is a binding (gin/runs/sft.gin reads %TRAJECTORIES).
+  # A macro the gin files use is a binding (gin/runs/sft.gin reads %TRAJECTORIES), and one an
+  # included file defines may be left unused by a flag that binds over its one use.
   main.configure("sft", [], ['TRAJECTORIES = "t.jsonl"'])
+  recipe = "gin/experiments/asearcher_local_qwen2_5_7b.gin"  # includes gin/runs/train_remote.gin
+  main.configure(
+    "train", [recipe], ['WEIGHTS_DIR = "w"', 'train_config.RemoteEnginesConfig.weights_dir = "v"']
+  )
 
 
 def test_another_subcommands_gin_file_is_named():
@@ -76,7 +81,8 @@ def test_another_subcommands_gin_file_is_named():
 def test_a_subcommand_no_gin_file_configures_runs_on_its_defaults():
   """`plan` has no default gin file: gin never registers it, and its defaults run."""
   fn = main.configure("plan", [], [])
-  assert fn is main._resolve(main.SUBCOMMANDS["plan"])
+  assert (fn.__module__, fn.__qualname__) == ("asearcher_jax.apps.plan", "plan")
+  assert not isinstance(gin.config._INVERSE_REGISTRY.get(fn), gin.config.Configurable)
 
 
 def test_paths_under_a_file_and_files_for_directories(tmp_path):
@@ -194,3 +200,41 @@ def test_values_a_config_class_or_the_command_refuses_are_config_errors(capsys):
   assert main.main(["inspect", "--gin_param=inspect.inspect.worst=0"]) == 2
   (err,) = capsys.readouterr().err.strip().splitlines()
   assert err == "asearcher inspect: config error: worst (--worst) must be >= 1, got 0"
+
+
+def test_bm25_option_names_are_checked_against_what_bm25s_accepts():
+  """The stopword names are copied from bm25s (importing it to check would touch jax); each
+  must be one bm25s resolves, and a bad stemmer / stopword list / method is a config line."""
+  from asearcher_jax.tools.retrieval import index
+
+  bm25s = index._import_bm25s()
+  for name in index.STOPWORD_LISTS:
+    assert bm25s.tokenization._infer_stopwords(name), name
+  for flag, fragment in (
+    ('index.BM25Config.stemmer = "klingon"', "not a PyStemmer language"),
+    ('index.BM25Config.stopwords = "xx"', "not a bm25s stopword list"),
+    ('index.BM25Config.method = "bm26"', "expected one of 'lucene', 'robertson'"),
+  ):
+    assert fragment in config_error("index", [], [flag])
+
+
+def test_checking_a_configuration_touches_no_jax_backend():
+  """A trainer process checks its configuration before `jax.distributed.initialize`, which must
+  come before any backend exists: building the bound config classes may import jax, never run
+  on it (BM25Config once imported bm25s, whose import runs a jax op)."""
+  import subprocess
+  import sys
+
+  code = (
+    "from asearcher_jax import main\n"
+    "main.configure('train', ['gin/experiments/asearcher_local_qwen2_5_7b.gin',"
+    " 'gin/overlays/recipe_tiny.gin'], [])\n"
+    "main.configure('index', [], [])\n"
+    "from jax._src import xla_bridge\n"
+    "print('backends', sorted(xla_bridge._backends))\n"
+  )
+  root = __file__.rsplit("/tests/", 1)[0]
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       timeout=240)  # fmt: skip
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "backends []"
