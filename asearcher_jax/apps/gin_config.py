@@ -33,6 +33,8 @@ class ConfigError(Exception):
   """A configuration mistake, as one line that names where it was made."""
 
 
+MACRO = "gin.macro"  # the selector gin binds a macro's value under, scoped by its name
+
 _LOCATION = re.compile(r'In file "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
@@ -268,9 +270,6 @@ def _references(value: Any) -> Iterator[str]:
   elif isinstance(value, dict):
     for v in value.values():
       yield from _references(v)
-
-
-MACRO = "gin.macro"
 
 
 def _check_reached(fn: Callable[..., Any], roots: Collection[str], config: dict,
