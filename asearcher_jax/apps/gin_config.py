@@ -104,10 +104,12 @@ def _flag_message(param: str, e: BaseException) -> str:
   one name before the parameter, e.g. `long_horizon.run_dir` for `long_horizon.long_horizon.run_dir`)."""
   selector = param.split("=", 1)[0].strip().split("/")[-1]
   value = param.split("=", 1)[1].strip() if "=" in param else ""
-  if "malformed node" in str(e) and value.isidentifier():
-    return (
-      f"{value} is not a value: a string needs quotes, e.g. --gin_param='{selector}=\"{value}\"'"
-    )
+  if "malformed node" in str(e):  # a bare word: quotes the shell ate, or none were written
+    if not any(c in value for c in "'\"[](){},"):
+      example = f"--gin_param='{selector}=\"{value}\"'"
+      return f"{value} is not a value: a string needs quotes, e.g. {example}"
+    return (f"{value} is not a value: each string in it needs quotes, and single quotes around "
+            f"the whole flag keep the shell from removing them (--gin_param='{selector}=...')")  # fmt: skip
   if isinstance(e, ValueError) and "unpack" in str(e) and selector.count(".") < 2:
     return (f"{selector!r} is not MODULE.FUNCTION.PARAMETER or MODULE.CLASS.FIELD "
             "(`asearcher SUBCOMMAND --help` lists the names)")  # fmt: skip

@@ -101,6 +101,11 @@ def test_ports_and_unquoted_strings():
   line = config_error("plan", [], ["plan.plan.chip = v5p"])
   assert "v5p is not a value: a string needs quotes" in line
   assert """--gin_param='plan.plan.chip="v5p"'""" in line
+  # What a shell leaves of --gin_param=x.y="a/b.jsonl" or =["a"] without single quotes.
+  line = config_error("train", [], ["commands.train.questions=runs/q.jsonl"])
+  assert """--gin_param='commands.train.questions="runs/q.jsonl"'""" in line
+  line = config_error("eval", [], ["commands.EvalData.datasets=[nosuch]"])
+  assert "[nosuch] is not a value: each string in it needs quotes" in line
   line = config_error("long-horizon", [], ['long_horizon.run_dir = "x"'])
   assert "'long_horizon' was not provided by an import statement" in line  # the help's name: lh.
 
