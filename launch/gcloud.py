@@ -21,12 +21,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from launch import roles
-from launch.spec import ClusterSpec, Slice
+from launch.spec import REPO, ClusterSpec, Slice
 
-REPO = Path(__file__).resolve().parents[1]
 # On every worker (home-relative): the code, the virtualenv, logs and pid files.
 CODE, VENV, RUN = "~/asearcher_jax", "~/asearcher_venv", "~/asearcher_run"
 # Stands for trainer worker 0's internal IP in printed plans (resolved with `describe` in a run).

@@ -42,9 +42,8 @@ from pathlib import Path
 
 from asearcher_jax.apps.sweep_launch import pid_alive as _alive
 from launch import roles
-from launch.spec import SpecError, check_gin_files, read_toml
+from launch.spec import REPO, SpecError, check_gin_files, read_toml
 
-REPO = Path(__file__).resolve().parents[1]
 ASEARCHER = (sys.executable, "-m", "asearcher_jax.main")
 
 

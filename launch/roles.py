@@ -19,11 +19,8 @@ import dataclasses
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from launch.spec import SpecError
-
-REPO = Path(__file__).resolve().parents[1]
+from launch.spec import REPO, SpecError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

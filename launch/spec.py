@@ -40,6 +40,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# The checkout launch/ runs from: gin files are looked up and commands run here.
+REPO = Path(__file__).resolve().parents[1]
+
 # Keys only a local-backend spec has (launch/local.py's LocalSpec).
 LOCAL_ONLY_KEYS = {"overlays", "run_dir", "trainers", "trainer_devices", "gin_params"}
 
@@ -266,9 +269,6 @@ def read_toml(path: str | Path) -> dict:
     raise SpecError(f"{p}: cannot read the spec ({(e.strerror or str(e)).lower()})") from None
   except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
     raise SpecError(f"{p}: not valid TOML: {e}") from None
-
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def check_gin_files(files: Sequence[str], source: str) -> None:

@@ -104,7 +104,11 @@ def read_episodes(path: str | Path) -> list[dict[str, Any]]:
   out = []
   n = 0
   for chunk in _members(path.read_bytes()):
-    for line in chunk.decode("utf-8", errors="replace").splitlines():
+    try:
+      text = chunk.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise AsearcherError(f"{path}: after line {n}: not UTF-8 text ({e.reason})") from None
+    for line in text.splitlines():
       n += 1
       if not line.strip():
         continue

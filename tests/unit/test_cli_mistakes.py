@@ -172,6 +172,9 @@ def test_corrupt_episode_exports_name_the_file(tmp_path):
   path.write_bytes(gzip.compress(b'{"group_id": 1}\n{bad\n'))
   with pytest.raises(AsearcherError, match=r"episodes.jsonl.gz:2: not an episode record"):
     read_episodes(path)
+  path.write_bytes(gzip.compress(b'{"group_id": 1}\n') + gzip.compress(b'{"a": "\xff"}\n'))
+  with pytest.raises(AsearcherError, match=r"episodes.jsonl.gz: after line 1: not UTF-8"):
+    read_episodes(path)
   path.write_bytes(gzip.compress(json.dumps({"group_id": 1, "episode": 0}).encode() + b"\n"))
   with pytest.raises(AsearcherError, match="episode record 1: no 'trajectory' field"):
     runs.RunDir(run).episodes  # noqa: B018

@@ -13,6 +13,7 @@ import logging
 import re
 import sys
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -59,6 +60,10 @@ STOPWORD_LISTS = (
 )  # fmt: skip
 
 
+# bm25s's scoring variants (`bm25s.BM25(method=...)`).
+Bm25Method = Literal["lucene", "robertson", "atire", "bm25l", "bm25+"]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BM25Config:
   """BM25 settings; recorded in the manifest, so queries are tokenized as the corpus was."""
@@ -72,7 +77,7 @@ class BM25Config:
   # Length normalisation.
   b: float = 0.75
   # bm25s scoring variant: "lucene", "robertson", "atire", "bm25l" or "bm25+".
-  method: Literal["lucene", "robertson", "atire", "bm25l", "bm25+"] = "lucene"
+  method: Bm25Method = "lucene"
 
   def __post_init__(self):
     import Stemmer
@@ -85,9 +90,8 @@ class BM25Config:
       raise ValueError(
         f"stopwords {self.stopwords!r} is not a bm25s stopword list ({', '.join(STOPWORD_LISTS)})"
       )
-    methods = ("lucene", "robertson", "atire", "bm25l", "bm25+")
-    if self.method not in methods:
-      raise ValueError(f"method {self.method!r} is not one of {', '.join(methods)}")
+    if self.method not in typing.get_args(Bm25Method):
+      raise ValueError(f"method {self.method!r} is not one of {typing.get_args(Bm25Method)}")
 
 
 class Retriever(Protocol):
