@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(a.to, "metrics").mkdir(parents=True, exist_ok=True)
     else:
       if a.action == "start":
-        roles.check_config("train", [spec.experiment], a.gin_param)
+        roles.check_roles(gcloud.layout(spec, tuple(a.gin_param)))
       commands = gcloud.plan(spec, a.action, commit=commit, gin_params=tuple(a.gin_param))
   except SpecError as e:
     print(f"launch {a.action}: spec error: {e}", file=sys.stderr)

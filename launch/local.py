@@ -228,7 +228,7 @@ def main(a) -> int:
       print(f"launch start: {run} already has live processes (stop first)", file=sys.stderr)
       return 1
     lay = layout(spec, run, tuple(a.gin_param))
-    roles.check_config("train", lay.gin_files, lay.gin_params)
+    roles.check_roles(lay)
     run.mkdir(parents=True, exist_ok=True)
     for f in (run / "pids").glob("*.json") if (run / "pids").exists() else ():
       f.unlink()

@@ -16,9 +16,9 @@ Only the paths, hosts and ports differ between the gcloud and local backends (`L
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
-from collections.abc import Sequence
 
 from launch.spec import REPO, SpecError
 
@@ -116,13 +116,35 @@ def trainer_env(
   return env
 
 
-def check_config(command: str, gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
-  """`asearcher COMMAND ... --check` here, before anything starts anywhere: a typo in the
-  experiment, an overlay or a --gin_param is one SpecError, not a dead run on a pod."""
-  argv = [sys.executable, "-m", "asearcher_jax.main", command,
-          *(f"--gin_file={f}" for f in gin_files), *(f"--gin_param={p}" for p in gin_params),
-          "--check"]  # fmt: skip
-  out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
-  if out.returncode != 0:
-    lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
-    raise SpecError(f"the {command} configuration: {lines[-1]}")
+def role_argvs(layout: Layout) -> dict[str, list[str]]:
+  """Each role's `asearcher` argv (without the program) as it will run: the retrieval server
+  when the recipe uses local tools, the first serve-model (the others differ only in their
+  address file) and the trainer."""
+  n = len(layout.asearcher)
+  out = {}
+  if layout.retrieval_addr_dir is not None or layout.retrieval_address is not None:
+    out["retrieval"] = retrieval_argv(layout)[n:]
+  if layout.address_files:
+    out["serving"] = serve_argv(layout, 0)[n:]
+  out["trainer"] = trainer_argv(layout)[n:]
+  return out
+
+
+def check_roles(layout: Layout) -> None:
+  """Every role's configuration checked here, in one `asearcher --check-each` process, before
+  anything starts anywhere: a typo in the experiment, an overlay or a --gin_param, or a flag this
+  module writes that no longer binds, is one SpecError naming the role, not a dead run on a pod."""
+  argvs = role_argvs(layout)
+  lines = "".join(json.dumps(a) + "\n" for a in argvs.values())
+  try:
+    out = subprocess.run([sys.executable, "-m", "asearcher_jax.main", "--check-each"], input=lines,
+                         capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+  except subprocess.TimeoutExpired:
+    raise SpecError("checking the roles' configurations took over 600 s") from None
+  results = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+  if len(results) != len(argvs):
+    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    raise SpecError(f"checking the roles' configurations failed: {last}")
+  for role, message in zip(argvs, results, strict=True):
+    if message:
+      raise SpecError(f"the {role} role's configuration: {message}")

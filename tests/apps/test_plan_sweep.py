@@ -90,6 +90,36 @@ sweeping.sweep.metrics = ("train_step_s", "speedup_async_vs_sync")
   assert rc == 0 and out.count("| done before |") == 4
 
 
+def test_a_mistake_in_any_point_stops_the_sweep_before_the_first_runs(tmp_path, capsys):
+  """A typo in the last point (or two) is one config error naming the first bad point, found by
+  one checking process before any point runs (also under dry_run): nothing runs, no point's
+  directory is made."""
+  sweep_file = tmp_path / "s.gin"
+  sweep_file.write_text(f"""
+from __gin__ import dynamic_registration
+from asearcher_jax.apps import sweep as sweeping
+sweeping.sweep.command = "plan"
+sweeping.sweep.gin_files = ("{REPO}/gin/experiments/asearcher_local_qwen2_5_7b.gin",)
+sweeping.sweep.root = "{tmp_path}/runs"
+sweeping.sweep.grid = {{"plan_memory.TrainerShape.chips": ("16", "64")}}
+sweeping.sweep.points = ({{"plan_memory.TrainerShape.row_lenn": "4096"}},)
+""")
+  for extra in ([], ["--gin_param=sweeping.sweep.dry_run=True"]):
+    rc, out = run_main(["sweep", str(sweep_file), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and "sweep: p0" not in out, out
+    assert err.startswith(
+      "asearcher sweep: config error: sweep: p02-row_lenn=4096: asearcher plan:"
+    )
+    assert "row_lenn" in err and err.count("\n") == 1 and "more points" not in err
+  assert not (tmp_path / "runs").exists()
+  two = sweep_file.read_text().replace('("16", "64")', '("16", "sixty-four")')
+  sweep_file.write_text(two)
+  rc, _ = run_main(["sweep", str(sweep_file)])
+  err = capsys.readouterr().err
+  assert rc == 2 and "sweep: p01-chips=sixty-four:" in err and "(and 1 more points)" in err
+
+
 def test_the_shipped_quickstart_sweep_is_a_two_by_two_grid():
   """gin/sweeps/quickstart_ci.gin as shipped expands to learning rate x eta, four points."""
   gin.clear_config()

@@ -5,6 +5,7 @@ fail with one clear line before anything runs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import cli, gcloud
+from launch import cli, gcloud, roles
 from launch.spec import CHIPS, SpecError, load, parse_accelerator
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,3 +178,23 @@ def test_stop_script_waits_for_its_processes_and_kills_what_ignores_sigterm(tmp_
     time.sleep(0.05)
   assert all(gone(p) for p in pids)
   assert not list((tmp_path / "pids").glob("*.pid"))
+
+
+def test_start_checks_every_roles_configuration_in_one_process(monkeypatch):
+  """`start` checks the retrieval, serving and trainer roles' own command lines before anything
+  runs: a flag launch writes for one role that no longer binds there (or a value only that role
+  gets) is one spec error naming the role, and nothing is printed, so nothing would have run."""
+  spec = load(SPECS["v5e"])
+  lay = gcloud.layout(spec)
+  assert list(roles.role_argvs(lay)) == ["retrieval", "serving", "trainer"]
+  roles.check_roles(lay)  # the shipped recipe: every role is fine
+  with pytest.raises(SpecError, match=r"^the serving role's configuration: asearcher serve-model: "
+                     r"config error: .*OpenAIServerConfig.port.*70000"):  # fmt: skip
+    roles.check_roles(dataclasses.replace(lay, serve_port=70000))
+  serve_argv = roles.serve_argv
+  monkeypatch.setattr(roles, "serve_argv", lambda layout, index: [
+    *serve_argv(layout, index), "--gin_param=serve_model.serve.adress_file='x.json'"])  # fmt: skip
+  rc, out, err = dry_run(SPECS["v5e"], "start")
+  assert rc == 2 and out == "" and err.count("\n") == 1
+  assert "launch start: spec error: the serving role's configuration: " in err
+  assert "serve_model.serve.adress_file" in err

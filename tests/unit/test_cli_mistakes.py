@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import io
 import json
 import socket
 
@@ -246,3 +247,28 @@ def test_checking_a_configuration_touches_no_jax_backend():
                        timeout=240)  # fmt: skip
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip().splitlines()[-1] == "backends []"
+
+
+def test_several_command_lines_are_checked_in_one_process(capsys, monkeypatch):
+  """`check_each` answers for each argv what `--check` would end with (None when fine); the
+  `--check-each` form reads JSON argv lists from stdin and writes one JSON line for each."""
+  recipe = "--gin_file=gin/experiments/asearcher_local_qwen2_5_7b.gin"
+  argvs = [
+    ["plan", recipe],
+    ["plan", recipe, "--gin_param=plan_memory.TrainerShape.chips='many'"],
+    ["serve-model", recipe, "--gin_param=openai_api.OpenAIServerConfig.port=70000"],
+    ["bogus"],
+  ]
+  results = main.check_each(argvs)
+  assert results[0] is None
+  assert results[1].startswith("asearcher plan: config error: --gin_param=")
+  assert "TrainerShape.chips" in results[1] and "expected int" in results[1]
+  assert results[2].startswith("asearcher serve-model: config error: ") and "70000" in results[2]
+  assert "invalid choice: 'bogus'" in results[3]
+  capsys.readouterr()
+  monkeypatch.setattr("sys.stdin", io.StringIO("".join(json.dumps(a) + "\n" for a in argvs)))
+  assert main.main(["--check-each"]) == 2
+  assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == results
+  monkeypatch.setattr("sys.stdin", io.StringIO('["plan"]\n{"not": "an argv"}\n'))
+  assert main.main(["--check-each"]) == 2
+  assert "stdin line 2 is not a JSON list of strings" in capsys.readouterr().err

@@ -73,6 +73,10 @@ def test_gin_file_passes_the_command_lines_checks(path):
   right type, names no path under a file, and reaches the subcommand through gin (a binding of
   a class nothing builds would be ignored)."""
   name = _subcommand(path)
+  own = path.stem.replace("_", "-")
+  if path.parent.name == "runs" and own in main.SUBCOMMANDS:  # the subcommand's default file
+    assert name in (None, own), f"{path} binds {name}, not {own}"
+    name = own
   assert name is not None, f"{path} binds no subcommand's function"
   try:
     main.configure(name, [str(path)], [])
