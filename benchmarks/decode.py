@@ -201,7 +201,7 @@ def run_transformers(
 def main() -> None:
   compile_cache.enable_if_asked()  # $ASEARCHER_COMPILE_CACHE: reuse an earlier run's compiles
   tok = Tokenizer.qwen2()
-  global VOCAB, LOOP, ROWS
+  global VOCAB, LOOP, ROWS, NEW_TOKENS
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("model", nargs="?", default="qwen2-tiny", help="model preset")
   parser.add_argument(
@@ -221,7 +221,16 @@ def main() -> None:
     help="the new settings' decode-step sizes below the slot count, comma-separated "
     "(EngineConfig.decode_rows; default: the engine's)",
   )  # fmt: skip
+  parser.add_argument(
+    "--new-tokens", type=int, default=NEW_TOKENS,
+    help=f"output length of the fixed-length rows (default {NEW_TOKENS}; a reasoning agent's "
+    f"turns are often hundreds of tokens, where several steps per call pay more; "
+    f"at most {MAX_SEQ - PROMPT_LEN})",
+  )  # fmt: skip
   args = parser.parse_args()
+  if not 1 <= args.new_tokens <= MAX_SEQ - PROMPT_LEN:
+    parser.error(f"--new-tokens must be in [1, {MAX_SEQ - PROMPT_LEN}], got {args.new_tokens}")
+  NEW_TOKENS = args.new_tokens
   LOOP = args.decode_loop
   if args.decode_rows is not None:
     try:
@@ -340,6 +349,7 @@ def main() -> None:
     "decode_loop": LOOP,
     "decode_rows_new": list(ROWS) if ROWS is not None else list(EngineConfig().decode_rows),
     "reps": REPS,
+    "new_tokens": NEW_TOKENS,
     "vs_transformers_b32": b32["vs_transformers"]["median"],
     "vs_transformers_b32_logprobs": b32["vs_transformers_logprobs"]["median"],
     "vs_static_longtail": longtail["vs_static"]["median"],
