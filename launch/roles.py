@@ -16,10 +16,9 @@ Only the paths, hosts and ports differ between the gcloud and local backends (`L
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 
+from asearcher_jax.apps import gin_config
+from asearcher_jax.errors import AsearcherError
 from launch.spec import REPO, SpecError
 
 
@@ -135,16 +134,10 @@ def check_roles(layout: Layout) -> None:
   anything starts anywhere: a typo in the experiment, an overlay or a --gin_param, or a flag this
   module writes that no longer binds, is one SpecError naming the role, not a dead run on a pod."""
   argvs = role_argvs(layout)
-  lines = "".join(json.dumps(a) + "\n" for a in argvs.values())
   try:
-    out = subprocess.run([sys.executable, "-m", "asearcher_jax.main", "--check-each"], input=lines,
-                         capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
-  except subprocess.TimeoutExpired:
-    raise SpecError("checking the roles' configurations took over 600 s") from None
-  results = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-  if len(results) != len(argvs):
-    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-    raise SpecError(f"checking the roles' configurations failed: {last}")
+    results = gin_config.check_elsewhere(list(argvs.values()), cwd=REPO)
+  except AsearcherError as e:
+    raise SpecError(str(e)) from None
   for role, message in zip(argvs, results, strict=True):
     if message:
       raise SpecError(f"the {role} role's configuration: {message}")

@@ -13,7 +13,10 @@ import collections.abc
 import dataclasses
 import importlib
 import inspect
+import json
 import re
+import subprocess
+import sys
 import tokenize
 import types
 import typing
@@ -31,6 +34,29 @@ from asearcher_jax.errors import AsearcherError
 
 class ConfigError(Exception):
   """A configuration mistake, as one line that names where it was made."""
+
+
+def check_elsewhere(
+  argvs: Sequence[Sequence[str]], *, cwd: str | Path | None = None, timeout_s: float = 600.0
+) -> list[str | None]:
+  """Several `asearcher` command lines (argv without the program) checked in one child process
+  (`asearcher --check-each`: the imports paid once, ~3 s, then ~20 ms each), so the caller
+  (a sweep, the launcher) keeps its own gin state and loads no jax: for each, None or the line
+  `--check` would end with. Raises AsearcherError when the checker itself fails."""
+  lines = "".join(json.dumps(list(a)) + "\n" for a in argvs)
+  try:
+    out = subprocess.run([sys.executable, "-m", "asearcher_jax.main", "--check-each"],
+                         input=lines, capture_output=True, text=True, timeout=timeout_s,
+                         cwd=cwd)  # fmt: skip
+  except subprocess.TimeoutExpired:
+    raise AsearcherError(
+      f"checking {len(argvs)} configurations took over {timeout_s:.0f} s"
+    ) from None
+  results = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+  if len(results) != len(argvs):
+    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    raise AsearcherError(f"checking {len(argvs)} configurations failed: {last}")
+  return results
 
 
 MACRO = "gin.macro"  # the selector gin binds a macro's value under, scoped by its name

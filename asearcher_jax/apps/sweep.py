@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from asearcher_jax.apps import sweep_launch
+from asearcher_jax.apps import gin_config, sweep_launch
 from asearcher_jax.errors import AsearcherError, ConfigValueError
 
 
@@ -132,20 +132,13 @@ def check_points(argvs: Sequence[Sequence[str]], names: Sequence[str]) -> None:
   points' hours. One `asearcher --check-each` process checks them all (its imports paid once:
   ~3 s, then ~20 ms a point). The first mistake is one line naming the point."""
   prefix = [sys.executable, "-m", "asearcher_jax.main"]
-  lines = []
   for argv in argvs:
     if list(argv[: len(prefix)]) != prefix:
       raise ValueError(f"a point's argv must start with {prefix}, got {list(argv[:3])}")
-    lines.append(json.dumps(list(argv[len(prefix) :])))
   try:
-    out = subprocess.run([*prefix, "--check-each"], input="\n".join(lines) + "\n",
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-  except subprocess.TimeoutExpired:
-    raise AsearcherError("sweep: checking the points' configurations took over 600 s") from None
-  results = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-  if len(results) != len(argvs):  # the checker itself failed (not a point's mistake)
-    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-    raise AsearcherError(f"sweep: checking the points' configurations failed: {last}")
+    results = gin_config.check_elsewhere([a[len(prefix) :] for a in argvs])
+  except AsearcherError as e:
+    raise AsearcherError(f"sweep: {e}") from None
   bad = [(name, r) for name, r in zip(names, results, strict=True) if r]
   if bad:
     more = f" (and {len(bad) - 1} more points)" if len(bad) > 1 else ""
