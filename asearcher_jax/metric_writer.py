@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import resource
+import sys
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +22,24 @@ import jax
 import numpy as np
 
 log = logging.getLogger(__name__)
+
+
+def peak_rss_mb() -> float:
+  """This process's peak resident memory so far, in MB (the figure memory bars are judged by)."""
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+  return peak / 2**20 if sys.platform == "darwin" else peak / 1024.0
+
+
+def host_memory() -> dict[str, float]:
+  """`host/rss_mb` (resident now; Linux only) and `host/peak_rss_mb`, logged every RL step so
+  that memory growing over a run shows as a curve, not only as a peak at the end."""
+  out = {"host/peak_rss_mb": peak_rss_mb()}
+  try:
+    with open("/proc/self/statm") as f:
+      out["host/rss_mb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+  except (OSError, ValueError, IndexError):
+    pass
+  return out
 
 
 class MetricWriter:

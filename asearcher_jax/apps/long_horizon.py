@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import resource
 import time
 from pathlib import Path
 
+from asearcher_jax import metric_writer
 from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.apps import invocation, long_dagger, long_warm_start
 from asearcher_jax.apps import long_horizon_report as lh_report
@@ -346,7 +346,7 @@ def long_horizon(
     agent_max_turns=agent.max_turns, agent_max_tokens=agent.max_tokens,
     min_tool_calls_allowed=min_tool_calls,
     wall_s=round(time.time() - t0, 1),
-    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    peak_rss_mb=metric_writer.peak_rss_mb(),
   )  # fmt: skip
   summary["bars"] = lh_report.bars(summary)
   lh_report.write(root / "report", summary)

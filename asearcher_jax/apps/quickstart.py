@@ -24,12 +24,12 @@ import dataclasses
 import hashlib
 import json
 import logging
-import resource
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import metric_writer
 from asearcher_jax.agent import AsearcherAgentConfig, Limits
 from asearcher_jax.agent.registry import agent_factory
 from asearcher_jax.agent.trajectory import Trajectory
@@ -447,7 +447,7 @@ def quickstart(
       "stages": tracker.timings(),
       "stages_peak_rss_mb": tracker.peak_rss(),
       "wall_s": round(time.time() - t0, 1),
-      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+      "peak_rss_mb": metric_writer.peak_rss_mb(),
     }  # fmt: skip
     out = root / "report"
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

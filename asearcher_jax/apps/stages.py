@@ -10,11 +10,12 @@ prints one line per stage start/end and per 10% of progress, so logs stay readab
 from __future__ import annotations
 
 import contextlib
-import resource
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import TextIO
+
+from asearcher_jax import metric_writer
 
 # Seconds of "as estimated" evidence the ETA starts from (see StageTracker._speed).
 PRIOR_S = 30.0
@@ -131,7 +132,7 @@ class StageTracker:
       yield handle
     finally:
       self.actual[index] = time.perf_counter() - self._stage_t0
-      self.peak_rss_mb[index] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+      self.peak_rss_mb[index] = metric_writer.peak_rss_mb()
       handle.fraction = 1.0
       self._render(handle, f"done in {_fmt_s(self.actual[index])}")
       if self._progress is not None and len(self.actual) == len(self.names):

@@ -48,7 +48,7 @@ import jax
 import msgpack
 import numpy as np
 
-from asearcher_jax import distributed
+from asearcher_jax import distributed, metric_writer
 from asearcher_jax.checkpoint import Checkpointer, abstract_like
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.rl.learner import Learner
@@ -295,6 +295,7 @@ class Trainer:
       "perf/trainer_idle_frac": wait_s / max(t4 - t0, 1e-9),
       "perf/trainer_idle_frac_cum": self._idle_s / max(self._idle_s + self._busy_s, 1e-9),
       "perf/trained_tokens_per_s": metrics.get("ppo/tokens", 0.0) / max(t4 - t0, 1e-9),
+      **metric_writer.host_memory(),
     })  # fmt: skip
     self._log(metrics)
     return metrics

@@ -31,6 +31,7 @@ TRAINING_CURVES = (
   ("engine/weight_updates_ms", "weight update: engine swap (ms)"),
   ("perf/trainer_idle_frac", "trainer idle fraction"),
   ("timing/step_s", "step time (s)"),
+  ("host/rss_mb", "trainer host memory (MB resident)"),
 )
 
 

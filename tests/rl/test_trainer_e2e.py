@@ -135,6 +135,7 @@ def check_history(history: list[dict[str, float]], eta: int) -> None:
     assert m["staleness/head_max"] <= eta  # per trajectory: trained version - oldest token
     assert m["staleness/token_max"] <= eta  # per token, from the learner
     assert np.isfinite(m["ppo/loss"]) and m["ppo/tokens"] > 0 and m["ppo/grad_norm"] > 0
+    assert 0 < m["host/rss_mb"] <= m["host/peak_rss_mb"]  # memory per step, growth shows
 
 
 @pytest.mark.slow
