@@ -197,6 +197,16 @@ def _check_writable(flag: str, path: Path) -> None:
     raise ConfigError(f"{flag}={path}: is a directory, not a file")
 
 
+def deep_check(subcommand: str, fn: Callable) -> None:
+  """What `--check` adds to the configuration's own checks for a subcommand that configures
+  others (a sweep: every point's): it takes `check_only` and is called with it, running nothing.
+  Raises AsearcherError."""
+  import inspect
+
+  if "check_only" in inspect.signature(_resolve(SUBCOMMANDS[subcommand])).parameters:
+    fn(check_only=True)
+
+
 def check_each(argvs: Sequence[Sequence[str]]) -> list[str | None]:
   """Checks several command lines (`asearcher` argv without the program) in this one process,
   as `--check` would one by one: None for one that is fine, else the line `--check` would end
@@ -219,11 +229,12 @@ def check_each(argvs: Sequence[Sequence[str]]) -> list[str | None]:
       out.append(lines[-1])
       continue
     try:
-      configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
+      fn = configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
       if args.operative_config:
         _check_writable("--operative_config", Path(args.operative_config))
-    except ConfigError as e:
-      out.append(f"asearcher {command}: config error: {e}")
+      deep_check(args.subcommand, fn)
+    except (ConfigError, AsearcherError) as e:
+      out.append(f"asearcher {command}: config error: {str(e).splitlines()[0]}")
       continue
     out.append(None)
   return out
@@ -285,6 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
   if args.check:
+    try:
+      deep_check(args.subcommand, fn)
+    except AsearcherError as e:
+      print(f"asearcher {args.subcommand}: config error: {str(e).splitlines()[0]}", file=sys.stderr)
+      return 2
     print(f"asearcher {args.subcommand}: configuration ok")
     return 0
   from asearcher_jax import compile_cache, distributed

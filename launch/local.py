@@ -79,9 +79,17 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
   for k in ("name", "run_dir"):
     if not d.get(k):
       raise SpecError(f"{p}: {k} is required")
+    if not isinstance(d[k], str):
+      raise SpecError(f"{p}: {k} must be a string, got {d[k]!r}")
   exp = experiment or d.get("experiment")
   if not exp:
     raise SpecError(f"{p}: no experiment")
+  if not isinstance(exp, str):
+    raise SpecError(f"{p}: experiment must be one gin file path (a string), got {exp!r}")
+  for k in ("overlays", "gin_params"):
+    v = d.get(k, [])
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+      raise SpecError(f'{p}: {k} must be a list of strings (e.g. {k} = ["..."]), got {v!r}')
   check_gin_files([exp, *d.get("overlays", ())], str(p))
   return LocalSpec(**{**d, "experiment": exp, "overlays": tuple(d.get("overlays", ())),
                       "gin_params": tuple(d.get("gin_params", ()))})  # fmt: skip
@@ -205,10 +213,16 @@ def pids(run: Path) -> dict[str, int]:
   """Every process of the run by role (the supervisor included)."""
   out = {}
   for f in sorted((run / "pids").glob("*.json")) if (run / "pids").exists() else ():
-    out[f.stem] = json.loads(f.read_text())["pid"]
+    try:
+      out[f.stem] = int(json.loads(f.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):  # torn or edited: say so, use the rest
+      print(f"launch: {f} is not a pid file this launcher wrote; skipped", file=sys.stderr)
   sup = run / "supervisor.pid"
   if sup.exists():
-    out["supervisor"] = int(sup.read_text())
+    try:
+      out["supervisor"] = int(sup.read_text())
+    except (OSError, ValueError):
+      print(f"launch: {sup} holds no pid; skipped", file=sys.stderr)
   return out
 
 
@@ -229,16 +243,16 @@ def main(a) -> int:
       return 1
     lay = layout(spec, run, tuple(a.gin_param))
     roles.check_roles(lay)
+    argv = [sys.executable, "-m", "launch.local", "supervise", str(run)]
+    print(" ".join(argv), flush=True)
+    if a.dry_run:  # prints what would run and leaves an earlier run's directory as it was
+      return 0
     run.mkdir(parents=True, exist_ok=True)
     for f in (run / "pids").glob("*.json") if (run / "pids").exists() else ():
       f.unlink()
     (run / "supervisor.done").unlink(missing_ok=True)
     (run / "launch.json").write_text(json.dumps(
       {"spec": dataclasses.asdict(spec), "extra": list(a.gin_param)}, indent=1))  # fmt: skip
-    argv = [sys.executable, "-m", "launch.local", "supervise", str(run)]
-    print(" ".join(argv), flush=True)
-    if a.dry_run:
-      return 0
     log = open(run / "supervisor.log", "a")  # noqa: SIM115
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                          start_new_session=True)  # fmt: skip

@@ -209,6 +209,8 @@ def from_dict(
   trainer = Slice(name=f"{name}-trainer", accelerator_type=t["accelerator_type"], chip=chip,
                   chips=chips, hosts=hosts)  # fmt: skip
   s = d.get("serving", {})
+  if not isinstance(s, dict):
+    raise SpecError(f"{source}: serving must be a [serving] table with accelerator_type, got {s!r}")
   count = s.get("count", 1)
   if not isinstance(count, int) or count < 1:
     raise SpecError(f"{source} [serving]: count must be an integer >= 1, got {count!r}")
@@ -236,6 +238,8 @@ def from_dict(
   exp = experiment or d.get("experiment")
   if not exp:
     raise SpecError(f'{source}: no experiment (set experiment = "gin/experiments/...")')
+  if not isinstance(exp, str):
+    raise SpecError(f"{source}: experiment must be one gin file path (a string), got {exp!r}")
   ports = {k: d.get(k, v) for k, v in (("serve_port", 8010), ("retrieval_port", 8000),
                                         ("coordinator_port", 8476))}  # fmt: skip
   for k, v in ports.items():

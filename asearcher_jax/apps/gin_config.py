@@ -121,8 +121,32 @@ def parse(files: Sequence[str], params: Sequence[str], fn: Callable[..., Any]) -
       gin.parse_config([*head, p], skip_unknown=False)
     except Exception as e:
       raise ConfigError(f"--gin_param={p!r}: {_flag_message(p, e)}") from None
-  gin.finalize()
+  try:
+    gin.finalize()
+  except ValueError as e:  # gin's macro hook: a %NAME nothing defines (message: the whole config)
+    m = re.search(r"No bindings specified for '(?:(?P<name>[^']*)/)?gin\.macro'", str(e))
+    if m is None:
+      raise ConfigError(f"the configuration: {_one_line(e)}") from None
+    name = m.group("name") or "?"
+    raise ConfigError(f"{_macro_use(name, files, params)}: %{name} is used but nothing defines "
+                      f"it (write `{name} = VALUE` in a gin file or --gin_param)") from None  # fmt: skip
   return file_macros
+
+
+def _macro_use(name: str, files: Sequence[str], params: Sequence[str]) -> str:
+  """Where `%name` is written: the flag, else file:line of a file given (or its include)."""
+  use = re.compile(rf"%{re.escape(name)}(?![A-Za-z0-9_.])")
+  for p in params:
+    if use.search(p):
+      return f"--gin_param={p!r}"
+  for f in files:
+    for path in [Path(f), *(Path(d) / f for d in gin.config._LOCATION_PREFIXES)]:
+      if path.is_file():
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+          if use.search(line.split("#", 1)[0]):
+            return f"{path}:{i}"
+        break
+  return "the configuration"
 
 
 def _flag_message(param: str, e: BaseException) -> str:

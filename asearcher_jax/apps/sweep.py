@@ -48,8 +48,15 @@ def expand(
   """The grid's cartesian product (in the grid's key order), then the explicit points."""
   keys = list(grid)
   for k in keys:
-    if isinstance(grid[k], str) or not grid[k]:
-      raise ConfigValueError(f"sweep grid {k!r}: give a non-empty tuple of gin literals")
+    if not isinstance(grid[k], list | tuple) or not grid[k]:
+      raise ConfigValueError(
+        f"sweeping.sweep.grid[{k!r}]: give a non-empty tuple of gin literals, got {grid[k]!r}"
+      )
+  for i, point in enumerate(points):
+    if not isinstance(point, Mapping):
+      raise ConfigValueError(
+        f"sweeping.sweep.points[{i}]: give a dict of binding -> gin literal, got {point!r}"
+      )
   out = (
     [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))] if keys else []
   )
@@ -159,6 +166,7 @@ def sweep(
   launch_spec: str | None = None,
   launch_backend: str = "local",
   dry_run: bool = False,
+  check_only: bool = False,
 ) -> int:
   """Runs every point and prints the merged table; 1 if any point failed.
 
@@ -176,33 +184,42 @@ def sweep(
       asearcher_jax/apps/sweep_launch.py. None: every point is a local process.
     launch_backend: "local" or "gcloud" (the spec's slices, already `up` and `setup`).
     dry_run: print every point's commands and run nothing.
+    check_only: check every point's configuration, print nothing and run nothing (what
+      `asearcher sweep SWEEP.gin --check` does).
   """
   todo = expand(grid or {}, points)
   if not todo:
     raise ConfigValueError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
   out = Path(root)
+  names = [point_name(i, p) for i, p in enumerate(todo)]
   if launch_spec is not None:  # a mistake is one line before any point starts
     if command != "train":
       raise ConfigValueError(
         f"sweeping.sweep.command: a launched point runs train, not {command!r}"
       )
-    sweep_launch.launch_point(launch_spec, launch_backend, out, "p00", [])
+    launched = [
+      sweep_launch.launch_point(launch_spec, launch_backend, out, name,
+                                [*gin_params, *(f"{k}={v}" for k, v in point.items())])
+      for name, point in zip(names, todo, strict=True)
+    ]  # fmt: skip
+    sweep_launch.check(launched, names)
   argvs = []
-  for i, point in enumerate(todo):
-    run_dir = out / point_name(i, point)
+  for name, point in zip(names, todo, strict=True):
+    run_dir = out / name
     argvs.append([sys.executable, "-m", "asearcher_jax.main", command,
             *(f"--gin_file={f}" for f in gin_files), *(f"--gin_param={p}" for p in gin_params),
             *(f"--gin_param={k}={v}" for k, v in point.items()),
             *([f"--gin_param={run_dir_param}={json.dumps(str(run_dir))}"] if run_dir_param else []),
             f"--operative_config={run_dir / 'operative_config.gin'}"])  # fmt: skip
   if launch_spec is None:
-    check_points(argvs, [point_name(i, p) for i, p in enumerate(todo)])
+    check_points(argvs, names)
+  if check_only:
+    return 0
   rows = []
   for i, (point, argv) in enumerate(zip(todo, argvs, strict=True)):
     run_dir = out / point_name(i, point)
     if launch_spec is not None:
-      params = [*gin_params, *(f"{k}={v}" for k, v in point.items())]
-      lp = sweep_launch.launch_point(launch_spec, launch_backend, out, run_dir.name, params)
+      lp = launched[i]
       if dry_run:
         print("\n".join(f"sweep: {run_dir.name}: {c}" for c in sweep_launch.plan(lp, timeout_s)))
         continue

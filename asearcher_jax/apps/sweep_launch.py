@@ -87,6 +87,26 @@ def argv(p: LaunchPoint, action: str) -> list[str]:
   return out
 
 
+def check(points: list[LaunchPoint], names: list[str]) -> None:
+  """Every point's `launch start --dry-run` before the first point starts: the spec, and each
+  role's configuration with the point's bindings (the launcher's own check), so a typo in the
+  grid's last point or a spec the launcher rejects costs seconds (~6 s a point), not the earlier
+  points' runs. The first mistake is one config error naming the point."""
+  bad = []
+  for p, name in zip(points, names, strict=True):
+    try:
+      r = subprocess.run([*argv(p, "start"), "--dry-run"], capture_output=True, text=True,
+                         cwd=REPO, timeout=CALL_TIMEOUT_S)  # fmt: skip
+    except subprocess.TimeoutExpired:
+      bad.append((name, f"launch start --dry-run took over {CALL_TIMEOUT_S:.0f} s"))
+      continue
+    if r.returncode:
+      bad.append((name, (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]))
+  if bad:
+    more = f" (and {len(bad) - 1} more points)" if len(bad) > 1 else ""
+    raise ConfigValueError(f"sweep: {bad[0][0]}: {bad[0][1]}{more}")
+
+
 def plan(p: LaunchPoint, timeout_s: float) -> list[str]:
   """The point's commands as a dry run prints them (the wait as a comment)."""
   if p.backend == "local":

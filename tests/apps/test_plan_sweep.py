@@ -104,7 +104,7 @@ sweeping.sweep.root = "{tmp_path}/runs"
 sweeping.sweep.grid = {{"plan_memory.TrainerShape.chips": ("16", "64")}}
 sweeping.sweep.points = ({{"plan_memory.TrainerShape.row_lenn": "4096"}},)
 """)
-  for extra in ([], ["--gin_param=sweeping.sweep.dry_run=True"]):
+  for extra in ([], ["--gin_param=sweeping.sweep.dry_run=True"], ["--check"]):
     rc, out = run_main(["sweep", str(sweep_file), *extra])
     err = capsys.readouterr().err
     assert rc == 2 and "sweep: p0" not in out, out

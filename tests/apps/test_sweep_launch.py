@@ -100,7 +100,7 @@ def test_gcloud_dry_run_prints_every_points_launch_commands(tmp_path):
   assert "--run_dir: '/abs' must be a relative path under gs://my-bucket" in err.getvalue()
 
 
-def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_path):
+def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_path, monkeypatch):
   root = tmp_path / "s"
   rc_spec = f'sweeping.sweep.root="{root}"'
   for param, message in (
@@ -115,14 +115,30 @@ def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_pa
     assert message in err
   assert not root.exists()
   bad = tmp_path / "bad.toml"
-  bad.write_text(SPEC_1X1 + "servers = 3\n")  # launch rejects the spec: exit 2, nothing started
-  rc, out, _ = sweep(TINY_SWEEP, rc_spec, f'sweeping.sweep.launch_spec="{bad}"')
+  bad.write_text(SPEC_1X1 + "servers = 3\n")  # the launcher's dry run of every point rejects it
+  rc, out, err = sweep(TINY_SWEEP, rc_spec, f'sweeping.sweep.launch_spec="{bad}"')
+  assert rc == 2 and out == "" and err.count("\n") == 1 and not root.exists()
+  assert "sweep: p00-learning_rate=1e-5-max_staleness=0: launch start: spec error: " in err
+  assert "unknown key(s) servers" in err and "(and 3 more points)" in err
+  good = tmp_path / "good.toml"
+  good.write_text(SPEC_1X1)
+  typo = 'sweeping.sweep.points=({"staleness.StalenessConfig.max_stalenes": "2"},)'
+  rc, out, err = sweep(TINY_SWEEP, rc_spec, f'sweeping.sweep.launch_spec="{good}"', typo)
+  assert rc == 2 and out == "" and not root.exists()  # the last point's typo: nothing started
+  assert (
+    "sweep: p04-max_stalenes=2: launch start: spec error: the " in err and "max_stalenes" in err
+  )
+  # A start that fails once running (ssh, a port, a slice) is a failed row; the sweep goes on.
+  real = sweep_launch._call
+  monkeypatch.setattr(sweep_launch, "_call", lambda p, action, log: (
+    (2, "") if action == "start" else real(p, action, log)))  # fmt: skip
+  rc, out, _ = sweep(TINY_SWEEP, rc_spec, f'sweeping.sweep.launch_spec="{good}"')
   assert rc == 1 and out.count("| launch start failed (2; see") == 4
   rows = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()]
   assert len(rows) == 4  # every point tried
   assert all(r["status"].startswith("launch start failed (2; see") for r in rows)
   log = (root / rows[0]["point"] / "sweep.log").read_text()
-  assert "unknown key(s) servers" in log and " stop " in log  # stopped even so
+  assert " stop " in log  # stopped even so
 
 
 def test_a_point_past_its_timeout_is_stopped_and_leaves_nothing(tmp_path, monkeypatch):

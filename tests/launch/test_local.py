@@ -72,6 +72,31 @@ def test_local_spec_errors(tmp_path):
   zero = good.replace("trainer_devices = 1", "trainer_devices = 0")
   assert "trainer_devices must be an integer >= 1, got 0" in start_fails(zero)
   assert "not valid TOML" in start_fails(good + "trainers = 3\n")  # a duplicate key
+  wrong = good.replace('overlays = ["gin/overlays/recipe_tiny.gin"]', "overlays = 'x.gin'")
+  assert "overlays must be a list of strings" in start_fails(wrong)
+  wrong = good.replace(
+    'experiment = "gin/experiments/asearcher_local_qwen2_5_7b.gin"', "experiment = 7"
+  )
+  assert "experiment must be one gin file path (a string), got 7" in start_fails(wrong)
+
+
+def test_a_dry_run_leaves_an_earlier_run_as_it_was_and_bad_pid_files_are_named(tmp_path, capsys):
+  run = tmp_path / "r"
+  (run / "pids").mkdir(parents=True)
+  (run / "pids" / "trainer-0.json").write_text('{"role": "trainer-0", "pid": 1234')  # torn
+  (run / "supervisor.done").write_text("0\n")
+  (run / "supervisor.pid").write_text("abc")
+  (run / "launch.json").write_text("{}")
+  spec = tmp_path / "s.toml"
+  spec.write_text(SPEC.format(run=run))
+  assert cli.main(["start", "--backend", "local", "--spec", str(spec), "--dry-run"]) == 0
+  assert (run / "pids" / "trainer-0.json").exists() and (run / "supervisor.done").exists()
+  assert (run / "launch.json").read_text() == "{}"
+  capsys.readouterr()
+  assert cli.main(["status", "--backend", "local", "--spec", str(spec)]) == 0
+  err = capsys.readouterr().err
+  assert "trainer-0.json is not a pid file this launcher wrote; skipped" in err
+  assert "supervisor.pid holds no pid; skipped" in err
 
 
 def test_trainer_processes_get_jax_distributed_env(tmp_path):

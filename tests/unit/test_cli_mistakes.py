@@ -272,3 +272,15 @@ def test_several_command_lines_are_checked_in_one_process(capsys, monkeypatch):
   monkeypatch.setattr("sys.stdin", io.StringIO('["plan"]\n{"not": "an argv"}\n'))
   assert main.main(["--check-each"]) == 2
   assert "stdin line 2 is not a JSON list of strings" in capsys.readouterr().err
+
+
+def test_a_macro_nothing_defines_names_where_it_is_used(tmp_path):
+  """gin's own error is a traceback that prints the whole configuration."""
+  assert config_error("train", [], ["commands.train.model=%NOT_DEFINED"]) == (
+    "--gin_param='commands.train.model=%NOT_DEFINED': %NOT_DEFINED is used but nothing defines "
+    "it (write `NOT_DEFINED = VALUE` in a gin file or --gin_param)"
+  )
+  f = tmp_path / "x.gin"
+  f.write_text("from __gin__ import dynamic_registration\nfrom asearcher_jax.apps import train as "
+               "commands\n# %NOT_DEFINED in a comment\ncommands.train.model = %NOT_DEFINED\n")  # fmt: skip
+  assert config_error("train", [str(f)], []).startswith(f"{f}:4: %NOT_DEFINED is used but")
