@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from asearcher_jax.apps.train import POLICY_CONFIG
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
-from asearcher_jax.errors import AsearcherError, CheckpointError
+from asearcher_jax.errors import AsearcherError, CheckpointError, ConfigValueError
 from asearcher_jax.model import hf_io
 from asearcher_jax.model.config import from_hf_config
 from asearcher_jax.model.transformer import Transformer
@@ -85,10 +86,23 @@ def export(
     model_dir: the model directory the run started from, for runs without `policy_config.json`.
   """
   t0 = time.time()
+  if dtype is not None:  # before anything is restored or written
+    try:
+      ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ConfigValueError(f"dtype {dtype!r} is not a float dtype (e.g. 'bfloat16', 'float32')")
   run = train_run_dir(run_dir)
   if out_dir is not None:
     _check_out_dir(Path(out_dir))
-  cfg = from_hf_config(policy_config(run, model_dir))
+  config = policy_config(run, model_dir)
+  try:
+    cfg = from_hf_config(config)
+  except (KeyError, TypeError, ValueError) as e:
+    where = run / POLICY_CONFIG if (run / POLICY_CONFIG).is_file() else Path(model_dir or "")
+    raise AsearcherError(f"{where}: not a model config this version reads ({type(e).__name__}: "
+                         f"{e})") from None  # fmt: skip
   tokenizer_dir = run / "tokenizer"
   if not (tokenizer_dir / "tokenizer.json").is_file():
     raise AsearcherError(f"no tokenizer in {str(tokenizer_dir)!r}: the run did not start")
@@ -126,12 +140,12 @@ def _check_out_dir(out: Path) -> None:
   written over, never a model directory the user has (the run's warm start, say)."""
   blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
   if blocker is not None:  # else the safetensors writer fails deep inside with an OS error
-    raise AsearcherError(
+    raise ConfigValueError(
       f"{str(blocker)!r} is a file, so {str(out)!r} cannot be a model directory: choose another "
       "out_dir; nothing was written"
     )
   if out.is_dir() and any(out.iterdir()) and not (out / EXPORTED_FROM).is_file():
-    raise AsearcherError(
+    raise ConfigValueError(
       f"{str(out)!r} exists and is not an earlier export (no {EXPORTED_FROM}): choose another "
       "out_dir; nothing was written"
     )
@@ -161,9 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return export(
       run_dir=a.run_dir, out_dir=a.out_dir, step=a.step, dtype=a.dtype, model_dir=a.model_dir
     )
-  except AsearcherError as e:
-    print(f"asearcher export: error: {e}", file=sys.stderr)
-    return 2
+  except AsearcherError as e:  # exit status as `asearcher export` gives it
+    config = isinstance(e, ConfigValueError)
+    print(f"asearcher export: {'config error' if config else 'error'}: {e}", file=sys.stderr)
+    return 2 if config else 1
 
 
 if __name__ == "__main__":

@@ -104,9 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       run_dir=a.run_dir, episode=a.episode, question=a.question, worst=a.worst,
       tokens=not a.no_tokens, width=a.width,
     )  # fmt: skip
-  except AsearcherError as e:
-    print(f"asearcher inspect: error: {e}", file=sys.stderr)
-    return 1
+  except AsearcherError as e:  # exit status as the gin-bound form gives it
+    config = isinstance(e, ConfigValueError)
+    print(f"asearcher inspect: {'config error' if config else 'error'}: {e}", file=sys.stderr)
+    return 2 if config else 1
 
 
 if __name__ == "__main__":

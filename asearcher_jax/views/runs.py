@@ -131,13 +131,15 @@ def _eval_episodes(config_dir: Path) -> list[Episode]:
       snap = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
       continue
+    if not isinstance(snap, dict):
+      raise AsearcherError(f"{path}: not an evaluation snapshot (a JSON object)")
     if "trajectory" not in snap:
       continue  # sensitive sets and save_trajectories=False keep no episode
-    traj = Trajectory.from_json(snap["trajectory"])
-    meta = {k: v for k, v in snap.items() if k != "trajectory"}
-    meta["config_dir"] = str(config_dir)
-    out.append(
-      Episode(
+    try:
+      traj = Trajectory.from_json(snap["trajectory"])
+      meta = {k: v for k, v in snap.items() if k != "trajectory"}
+      meta["config_dir"] = str(config_dir)
+      episode = Episode(
         id=f"eval:{config_dir.name}/{snap['dataset']}/run{snap['run']}/{snap['qid']}",
         source=f"eval:{label}",
         trajectory=traj,
@@ -145,7 +147,11 @@ def _eval_episodes(config_dir: Path) -> list[Episode]:
         em=snap["scores"].get("em"),
         meta=meta,
       )
-    )
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # written by another version
+      raise AsearcherError(
+        f"{path}: not an evaluation snapshot this version reads ({type(e).__name__}: {e})"
+      ) from None
+    out.append(episode)
   return out
 
 

@@ -106,12 +106,18 @@ def test_export_any_step_in_any_dtype_and_each_mistake_is_one_line(hand_made_run
     with pytest.raises(AsearcherError, match=r"tokenizer\.json' is a file, so .* nothing was"):
       export_lib.export(run_dir=str(run), out_dir=str(where))
   assert export_lib.main([str(run), str(a_file)]) == 2  # the command: one line, exit 2
+  bad_out = tmp_path / "bad_dtype"
+  assert export_lib.main([str(run), str(bad_out), "--dtype", "bfloat17"]) == 2
+  assert not bad_out.exists()  # refused before the checkpoint is read or anything written
   assert a_file.is_file() and json.loads(a_file.read_text())  # untouched
   with pytest.raises(AsearcherError, match=r"no checkpoint for step 4 .* it has \[3, 5\]"):
     export_lib.export(run_dir=str(run), step=4)
   with pytest.raises(AsearcherError, match="not an RL run"):
     export_lib.export(run_dir=str(tmp_path / "nowhere"))
   # A run older than policy_config.json names the model it started from.
+  (run / POLICY_CONFIG).write_text('{"model_type": "qwen2"}')  # torn or hand-edited
+  with pytest.raises(AsearcherError, match=r"policy_config.json: not a model config .*vocab_size"):
+    export_lib.export(run_dir=str(run))
   (run / POLICY_CONFIG).unlink()
   with pytest.raises(AsearcherError, match=r"set export\.model_dir"):
     export_lib.export(run_dir=str(run))

@@ -179,6 +179,16 @@ def test_corrupt_episode_exports_name_the_file(tmp_path):
   path.write_bytes(gzip.compress(json.dumps({"group_id": 1, "episode": 0}).encode() + b"\n"))
   with pytest.raises(AsearcherError, match="episode record 1: no 'trajectory' field"):
     runs.RunDir(run).episodes  # noqa: B018
+  path.unlink()
+  snap = run / "eval" / "cfg" / "ds" / "run0" / "Q1.json"  # an evaluation snapshot
+  snap.parent.mkdir(parents=True)
+  (run / "eval" / "cfg" / "config.json").write_text("{}")
+  for body, message in (('"trajectory"', r"Q1.json: not an evaluation snapshot \(a JSON object\)"),
+                        ('{"trajectory": {"turns": []}}', r"Q1.json: not an evaluation snapshot "
+                                                          r"this version reads \(TypeError")):  # fmt: skip
+    snap.write_text(body)
+    with pytest.raises(AsearcherError, match=message):
+      runs.RunDir(run).episodes  # noqa: B018
 
 
 def test_the_trainers_own_retrieval_server_keeps_its_client_settings(monkeypatch, tmp_path):
