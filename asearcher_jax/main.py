@@ -112,7 +112,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     "--log_level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
     help=f"one of {', '.join(LOG_LEVELS)} (default INFO)",
   )  # fmt: skip
-  args = parser.parse_args(argv)
+  args = parser.parse_intermixed_args(argv)  # gin files may follow flags (`demo --check x.gin`)
   if args.subcommand is None:
     if args.help:
       parser.print_help()
@@ -128,7 +128,10 @@ def _help(subcommand: str, gin_files: Sequence[str]) -> str:
     found = [
       next((b / f for b in GIN_SEARCH_PATHS if (b / f).is_file()), Path(f)) for f in gin_files
     ]
-    files = [p for f in found if f.is_file() for p in cli_help.gin_includes(f, GIN_SEARCH_PATHS)]
+    for name, path in zip(gin_files, found, strict=True):
+      if not path.is_file():
+        raise OSError(f"{name}: {'a directory, not a' if path.is_dir() else 'no such'} gin file")
+    files = [p for f in found for p in cli_help.gin_includes(f, GIN_SEARCH_PATHS)]
   else:
     default = default_gin_file(subcommand)
     files = cli_help.gin_includes(default, GIN_SEARCH_PATHS) if default else []
@@ -150,7 +153,8 @@ def configure(subcommand: str, gin_files: Sequence[str], gin_params: Sequence[st
   if not files and (default := default_gin_file(subcommand)) is not None:
     files = [str(default)]
   fn = _resolve(SUBCOMMANDS[subcommand])
-  file_macros = gin_config.parse(files, list(gin_params), fn)
+  own = [target.split(":")[0] for target in ROOT_CONFIGS]  # flags may bind main's own configs
+  file_macros = gin_config.parse(files, list(gin_params), fn, extra_modules=own)
   # Built through gin besides the subcommand: by `main` itself, or by another subcommand that
   # reads the same recipe (a train recipe also configures its serve-model processes).
   roots = {*ROOT_CONFIGS, *SUBCOMMANDS.values()}
@@ -277,7 +281,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = _parse_args(argv)
   if args.help:
     try:
-      print(_help(args.subcommand, [*args.gin_files, *args.gin_file]), flush=True)
+      text = _help(args.subcommand, [*args.gin_files, *args.gin_file])
+    except (OSError, UnicodeDecodeError) as e:  # a gin file missing, a directory, not UTF-8
+      print(f"asearcher {args.subcommand}: config error: {str(e).splitlines()[0]}",
+            file=sys.stderr)  # fmt: skip
+      return 2
+    try:
+      print(text, flush=True)
     except BrokenPipeError:  # `asearcher train --help | head`: the reader has what it wanted
       os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

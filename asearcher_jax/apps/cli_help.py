@@ -287,7 +287,11 @@ def command_help(name: str, target: str, gin_files: list[Path], repo_root: Path,
 def gin_includes(path: Path, search: tuple[Path, ...]) -> list[Path]:
   """`path` and the files it includes (recursively, in reading order), resolved like gin does."""
   out = [path]
-  for line in path.read_text().splitlines():
+  try:
+    text = path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise OSError(f"{path}: not UTF-8 text (byte {e.start})") from None
+  for line in text.splitlines():
     m = re.match(r"\s*include\s+['\"](.+)['\"]", line)
     if not m:
       continue

@@ -95,13 +95,19 @@ def use_package_paths(search: Sequence[Path]) -> None:
   ]
 
 
-def parse(files: Sequence[str], params: Sequence[str], fn: Callable[..., Any]) -> set[str]:
+def parse(
+  files: Sequence[str],
+  params: Sequence[str],
+  fn: Callable[..., Any],
+  extra_modules: Sequence[str] = (),
+) -> set[str]:
   """gin.parse_config_files_and_bindings, one source at a time so an error names its source.
   Each `--gin_param` is read with the files' imports plus the subcommand's module and the module
   of every config class its help lists, under the names the help gives them
   (`cli_help.module_names`), so a flag names things as the help and the gin files do; gin alone
-  would read it without dynamic registration, where no such name exists. Returns the macros
-  the files (and their includes) define."""
+  would read it without dynamic registration, where no such name exists; `extra_modules`
+  (main's own configs: `distributed`, `compile_cache`) are imported under their last name too.
+  Returns the macros the files (and their includes) define."""
   for f in files:
     try:
       gin.parse_config_file(f, skip_unknown=False)
@@ -111,7 +117,11 @@ def parse(files: Sequence[str], params: Sequence[str], fn: Callable[..., Any]) -
   statements = [s for s in gin.config._IMPORTS if not s.module.startswith("__gin__")]
   imports = sorted(s.format() for s in statements)  # the files' imports
   known = [(s.module, s.bound_name()) for s in statements if s.is_from]
-  for module, name in cli_help.module_names(fn, known).items():
+  names = cli_help.module_names(fn, known)
+  for module in extra_modules:
+    if module not in names and module.rsplit(".", 1)[-1] not in names.values():
+      names[module] = module.rsplit(".", 1)[-1]
+  for module, name in names.items():
     if module not in {m for m, _ in known}:
       package, _, last = module.rpartition(".")
       imports.append(f"from {package} import {last}" + (f" as {name}" if name != last else ""))

@@ -294,3 +294,30 @@ def test_a_macro_nothing_defines_names_where_it_is_used(tmp_path):
   f.write_text("from __gin__ import dynamic_registration\nfrom asearcher_jax.apps import train as "
                "commands\n# %NOT_DEFINED in a comment\ncommands.train.model = %NOT_DEFINED\n")  # fmt: skip
   assert config_error("train", [str(f)], []).startswith(f"{f}:4: %NOT_DEFINED is used but")
+
+
+def test_help_with_a_bad_gin_file_and_gin_files_after_flags(capsys, tmp_path):
+  """`--help FILE` reads the file for its names: a missing, directory or non-UTF-8 file is one
+  line (was a traceback, or silently the defaults' help); a gin file may follow the flags."""
+  bad = tmp_path / "latin1.gin"
+  bad.write_bytes(b"# caf\xe9\n")
+  for gin_file, message in ((tmp_path / "none.gin", "no such gin file"),
+                            (tmp_path, "a directory, not a gin file"),
+                            (bad, "latin1.gin: not UTF-8 text (byte 5)")):  # fmt: skip
+    assert main.main(["train", "--help", f"--gin_file={gin_file}"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("asearcher train: config error: ") and message in err
+  assert main.main(["demo", "--check", "gin/runs/demo.gin"]) == 0  # was "unrecognized arguments"
+  assert "asearcher demo: configuration ok" in capsys.readouterr().out
+
+
+def test_flags_bind_mains_own_configs():
+  """The README's `compile_cache.CompileCacheConfig.dir` and a pod's `distributed.*` flags bind
+  with any subcommand (they were "not provided by an import statement")."""
+  main.configure("plan", [], ['compile_cache.CompileCacheConfig.dir="/tmp/cache"'])
+  assert main.compile_cache_config().dir == "/tmp/cache"
+  main.configure("plan", [], ["distributed.DistributedConfig.num_processes=2"])
+  assert main.distributed_config().num_processes == 2
+  assert "doesn't have a parameter named 'dirr'" in config_error(
+    "plan", [], ['compile_cache.CompileCacheConfig.dirr="/tmp/cache"']
+  )
