@@ -47,7 +47,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--commit", help="commit to install on the workers (default: HEAD's hash)")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   p.add_argument("--lines", type=int, default=50, help="logs: lines per log")
-  return p.parse_args(argv)
+  a = p.parse_args(argv)
+  if a.lines < 1:
+    p.error(f"--lines must be >= 1, got {a.lines}")
+  return a
 
 
 def _head() -> str:

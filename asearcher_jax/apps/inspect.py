@@ -51,6 +51,10 @@ def inspect(
     )
   if worst is not None and worst < 1:
     raise ConfigValueError(f"worst (--worst) must be >= 1, got {worst}")
+  if width is not None and width < 20:
+    raise ConfigValueError(f"width (--width) must be >= 20 columns, got {width}")
+  if limit < 1:
+    raise ConfigValueError(f"limit must be >= 1, got {limit}")
   run = runs.RunDir(run_dir)
   console = Console(width=width, highlight=False)
   tok = run.tokenizer

@@ -39,6 +39,9 @@ class AgentChoice:
   # too; an agent without an entry takes its own defaults.
   configs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+  def __post_init__(self) -> None:
+    registry.resolve(self.name, self.config)  # an unknown agent or a config of another one
+
   @property
   def config(self) -> Any:
     """The chosen agent's config (None: its defaults)."""

@@ -81,13 +81,14 @@ class EpisodeLog:
 
 
 def _members(raw: bytes) -> Iterator[bytes]:
-  """The decompressed gzip members of `raw`, stopping quietly at a torn last one."""
+  """The decompressed gzip members of `raw`, stopping quietly at a torn last one (a crash cuts
+  a member short; it never writes bytes that are not gzip). Raises ValueError on such bytes."""
   while raw:
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
       out = d.decompress(raw)
-    except zlib.error:
-      return
+    except zlib.error as e:
+      raise ValueError(f"not gzip data ({e})") from None
     if not d.eof:
       return
     yield out
@@ -103,7 +104,14 @@ def read_episodes(path: str | Path) -> list[dict[str, Any]]:
     return []
   out = []
   n = 0
-  for chunk in _members(path.read_bytes()):
+  members = _members(path.read_bytes())
+  while True:
+    try:
+      chunk = next(members)
+    except StopIteration:
+      break
+    except ValueError as e:
+      raise AsearcherError(f"{path}: after line {n}: {e}") from None
     try:
       text = chunk.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -159,7 +159,11 @@ class RunDir:
   """Everything inspectable under one directory (searched recursively, lazily)."""
 
   def __init__(self, root: str | Path) -> None:
+    if not str(root).strip():
+      raise AsearcherError("no run directory given (an empty path)")
     self.root = Path(root)
+    if self.root.is_file():
+      raise AsearcherError(f"{str(self.root)!r} is a file, not a run directory")
     if not self.root.is_dir():
       raise AsearcherError(f"run directory {str(self.root)!r} does not exist")
 

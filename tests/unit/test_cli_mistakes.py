@@ -176,6 +176,12 @@ def test_corrupt_episode_exports_name_the_file(tmp_path):
   path.write_bytes(gzip.compress(b'{"group_id": 1}\n') + gzip.compress(b'{"a": "\xff"}\n'))
   with pytest.raises(AsearcherError, match=r"episodes.jsonl.gz: after line 1: not UTF-8"):
     read_episodes(path)
+  path.write_bytes(gzip.compress(b'{"group_id": 1}\n') + b"not gzip at all")  # was: no episodes
+  with pytest.raises(AsearcherError, match=r"episodes.jsonl.gz: after line 1: not gzip data"):
+    read_episodes(path)
+  torn = gzip.compress(b'{"group_id": 1}\n') + gzip.compress(b'{"group_id": 2}\n')[:-9]
+  path.write_bytes(torn)
+  assert read_episodes(path) == [{"group_id": 1}]  # a member a crash cut short: skipped
   path.write_bytes(gzip.compress(json.dumps({"group_id": 1, "episode": 0}).encode() + b"\n"))
   with pytest.raises(AsearcherError, match="episode record 1: no 'trajectory' field"):
     runs.RunDir(run).episodes  # noqa: B018
@@ -320,4 +326,31 @@ def test_flags_bind_mains_own_configs():
   assert main.distributed_config().num_processes == 2
   assert "doesn't have a parameter named 'dirr'" in config_error(
     "plan", [], ['compile_cache.CompileCacheConfig.dirr="/tmp/cache"']
+  )
+
+
+def test_inspect_refuses_what_would_print_nothing(tmp_path, capsys):
+  """`--width 0` printed nothing with exit 0, `limit=-1` all rows but one, `inspect ""` scanned
+  the working directory, a file was "does not exist"."""
+  (tmp_path / "afile").write_text("x")
+  for argv, code, message in (
+    ([str(tmp_path), "--width", "0"], 2, "config error: width (--width) must be >= 20 columns"),
+    ([""], 1, "error: no run directory given (an empty path)"),
+    ([str(tmp_path / "afile")], 1, "afile' is a file, not a run directory"),
+  ):
+    assert main.main(["inspect", *argv]) == code
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert message in err
+  assert main.main(["inspect", f'--gin_param=inspect.inspect.run_dir="{tmp_path}"',
+                    "--gin_param=inspect.inspect.limit=-1"]) == 2  # fmt: skip
+  assert "limit must be >= 1, got -1" in capsys.readouterr().err
+
+
+def test_an_unknown_agent_is_found_by_the_check():
+  assert "agent must be one of ['asearcher', 'reasoning', 'search_r1'], got 'nosuch'" in (
+    config_error(
+      "train",
+      ["gin/experiments/asearcher_local_qwen2_5_7b.gin"],
+      ['train_config.AgentChoice.name="nosuch"'],
+    )  # fmt: skip
   )
