@@ -194,6 +194,8 @@ def compile_cache_config():
 def _check_writable(flag: str, path: Path) -> None:
   from asearcher_jax.apps.gin_config import ConfigError
 
+  if not str(path).strip() or str(path) == ".":
+    raise ConfigError(f"{flag}= needs a file path (got an empty one)")
   for parent in path.parents:
     if parent.is_file():
       raise ConfigError(f"{flag}={path}: {parent} is a file, not a directory")
@@ -234,7 +236,7 @@ def check_each(argvs: Sequence[Sequence[str]]) -> list[str | None]:
       continue
     try:
       fn = configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
-      if args.operative_config:
+      if args.operative_config is not None:
         _check_writable("--operative_config", Path(args.operative_config))
       deep_check(args.subcommand, fn)
     except (ConfigError, AsearcherError) as e:
@@ -300,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     fn = configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
-    if args.operative_config:
+    if args.operative_config is not None:
       _check_writable("--operative_config", Path(args.operative_config))
   except ConfigError as e:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)

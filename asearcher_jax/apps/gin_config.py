@@ -334,6 +334,19 @@ def _references(value: Any) -> Iterator[str]:
       yield from _references(v)
 
 
+def _scopes_referenced(value: Any) -> Iterator[str]:
+  """The scopes a bound value's references enter (`@train/x.Y()` enters 'train')."""
+  if isinstance(value, gin.config.ConfigurableReference):
+    if value.configurable.selector != MACRO:
+      yield from value.scoped_selector.split("/")[:-1]
+  elif isinstance(value, list | tuple | set):
+    for v in value:
+      yield from _scopes_referenced(v)
+  elif isinstance(value, dict):
+    for v in value.values():
+      yield from _scopes_referenced(v)
+
+
 def _check_reached(fn: Callable[..., Any], roots: Collection[str], config: dict,
                    files: Sequence[str], params: Sequence[str],
                    file_macros: Collection[str]) -> None:  # fmt: skip
@@ -357,7 +370,16 @@ def _check_reached(fn: Callable[..., Any], roots: Collection[str], config: dict,
         todo += new
   owners = cli_help.builders(fn)
   names = {s.module: s.bound_name() for s in gin.config._IMPORTS if s.is_from}
+  entered = {x for b in config.values() for v in b.values() for x in _scopes_referenced(v)}
   for (scope, selector), bindings in config.items():
+    unused = [part for part in scope.split("/") if part and part not in entered]
+    if selector != MACRO and unused and bindings:
+      name = next(iter(bindings))
+      raise ConfigError(
+        f"{locate(selector, name, files, params)}: {scope}/"
+        f"{'.'.join(selector.split('.')[-2:])}.{name} is bound in scope "
+        f"{unused[0]!r}, which no `@{unused[0]}/...` reference enters, so it would be ignored"
+      )
     if key[(scope, selector)] in reached or not bindings:
       continue
     if selector == MACRO and scope not in file_macros:

@@ -122,6 +122,8 @@ def test_flags_of_the_command_line_itself(capsys, tmp_path):
     f"asearcher plan: config error: --operative_config={tmp_path}/afile/op.gin: "
     f"{tmp_path}/afile is a file, not a directory"
   )
+  assert main.main(["plan", "--operative_config="]) == 2  # was silently not written
+  assert "--operative_config= needs a file path" in capsys.readouterr().err
 
 
 def _raise_not_a_directory() -> int:
@@ -352,5 +354,16 @@ def test_an_unknown_agent_is_found_by_the_check():
       "train",
       ["gin/experiments/asearcher_local_qwen2_5_7b.gin"],
       ['train_config.AgentChoice.name="nosuch"'],
-    )  # fmt: skip
+    )
   )
+
+
+def test_a_binding_in_a_scope_nothing_enters_is_an_error():
+  """gin keeps `scope/x.Y.z` for a `@scope/x.Y()` reference; with none it is silently ignored.
+  The search-r1 recipe's scoped LogNormals (`searches/...`) are entered, so they pass."""
+  assert config_error("train", [], ["myscope/train_config.TrainConfig.train_steps=3"]) == (
+    "--gin_param='myscope/train_config.TrainConfig.train_steps=3': myscope/train_config."
+    "TrainConfig.train_steps is bound in scope 'myscope', which no `@myscope/...` reference "
+    "enters, so it would be ignored"
+  )
+  main.configure("plan", ["gin/experiments/search_r1_qwen2_5_7b.gin"], [])
