@@ -34,14 +34,16 @@ class Param:
 
 
 def summary(target: str) -> str:
-  """The first line of the subcommand module's docstring (read from source, not imported),
-  without its "`asearcher name`:" prefix."""
+  """The first sentence of the subcommand module's docstring (read from source, not imported),
+  without its "`asearcher name ARGS`:" prefix."""
   spec = importlib.util.find_spec(target.split(":")[0])
   if spec is None or spec.origin is None:
     return ""
   doc = (ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or "").strip()
-  first = doc.splitlines()[0] if doc else ""
-  return re.sub(r"^`asearcher [\w-]+`: ", "", first)
+  paragraph = " ".join(doc.split("\n\n")[0].split())
+  paragraph = re.sub(r"^`asearcher [\w-]+[^`]*`: ", "", paragraph)
+  m = re.match(r"(.+?[.?!])(\s|$)", paragraph)
+  return m.group(1) if m else paragraph
 
 
 def _short_selector(obj: Any, names: dict[str, str] | None = None) -> str:
