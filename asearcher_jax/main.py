@@ -205,12 +205,16 @@ def _check_writable(flag: str, path: Path) -> None:
 
 def deep_check(subcommand: str, fn: Callable) -> None:
   """What `--check` adds to the configuration's own checks for a subcommand that configures
-  others (a sweep: every point's): it takes `check_only` and is called with it, running nothing.
-  Raises AsearcherError."""
-  import inspect
+  others (a sweep: every point's): its module's `CHECK_KWARGS`, the arguments with which a call
+  checks everything and runs nothing; the call's output is dropped. Raises AsearcherError."""
+  import contextlib
+  import io
 
-  if "check_only" in inspect.signature(_resolve(SUBCOMMANDS[subcommand])).parameters:
-    fn(check_only=True)
+  module = importlib.import_module(SUBCOMMANDS[subcommand].split(":")[0])
+  kwargs = getattr(module, "CHECK_KWARGS", None)
+  if kwargs is not None:
+    with contextlib.redirect_stdout(io.StringIO()):
+      fn(**kwargs)
 
 
 def check_each(argvs: Sequence[Sequence[str]]) -> list[str | None]:

@@ -41,6 +41,10 @@ from pathlib import Path
 from asearcher_jax.apps import gin_config, sweep_launch
 from asearcher_jax.errors import AsearcherError, ConfigValueError
 
+# What `asearcher sweep S.gin --check` calls the sweep with (`main.deep_check`, its output
+# dropped): a dry run checks every point's configuration and runs nothing.
+CHECK_KWARGS = {"dry_run": True}
+
 
 def expand(
   grid: Mapping[str, Sequence[str]], points: Sequence[Mapping[str, str]]
@@ -166,7 +170,6 @@ def sweep(
   launch_spec: str | None = None,
   launch_backend: str = "local",
   dry_run: bool = False,
-  check_only: bool = False,
 ) -> int:
   """Runs every point and prints the merged table; 1 if any point failed.
 
@@ -184,8 +187,6 @@ def sweep(
       asearcher_jax/apps/sweep_launch.py. None: every point is a local process.
     launch_backend: "local" or "gcloud" (the spec's slices, already `up` and `setup`).
     dry_run: print every point's commands and run nothing.
-    check_only: check every point's configuration, print nothing and run nothing (what
-      `asearcher sweep SWEEP.gin --check` does).
   """
   todo = expand(grid or {}, points)
   if not todo:
@@ -213,8 +214,6 @@ def sweep(
             f"--operative_config={run_dir / 'operative_config.gin'}"])  # fmt: skip
   if launch_spec is None:
     check_points(argvs, names)
-  if check_only:
-    return 0
   rows = []
   for i, (point, argv) in enumerate(zip(todo, argvs, strict=True)):
     run_dir = out / point_name(i, point)

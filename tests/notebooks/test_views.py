@@ -162,5 +162,5 @@ def test_inspect_bad_input_is_one_line(tiny_run, tmp_path, capsys):
   assert "does not exist" in capsys.readouterr().err
   assert inspect_cmd.main([str(tmp_path)]) == 1  # a directory with nothing to inspect
   assert "no episodes under" in capsys.readouterr().err
-  assert inspect_cmd.main([str(tiny_run), "--worst", "0"]) == 1
+  assert inspect_cmd.main([str(tiny_run), "--worst", "0"]) == 2  # a config error, as via gin
   assert "(--worst) must be >= 1" in capsys.readouterr().err
