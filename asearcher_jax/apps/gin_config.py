@@ -320,31 +320,31 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str],
       )
 
 
-def _references(value: Any) -> Iterator[str]:
-  """What a bound value references (`@x.Y()`, `%MACRO`, in lists and dicts): a configurable's
-  selector, or a macro's name as 'NAME/gin.macro'."""
+def _reference_objects(value: Any) -> Iterator[gin.config.ConfigurableReference]:
+  """Every `@x.Y()` / `%MACRO` in a bound value, in lists and dicts too."""
   if isinstance(value, gin.config.ConfigurableReference):
-    selector = value.configurable.selector
-    yield f"{value.scoped_selector.split('/')[0]}/{selector}" if selector == MACRO else selector
+    yield value
   elif isinstance(value, list | tuple | set):
     for v in value:
-      yield from _references(v)
+      yield from _reference_objects(v)
   elif isinstance(value, dict):
     for v in value.values():
-      yield from _references(v)
+      yield from _reference_objects(v)
+
+
+def _references(value: Any) -> Iterator[str]:
+  """What a bound value references: a configurable's selector, or a macro's name as
+  'NAME/gin.macro'."""
+  for ref in _reference_objects(value):
+    selector = ref.configurable.selector
+    yield f"{ref.scoped_selector.split('/')[0]}/{selector}" if selector == MACRO else selector
 
 
 def _scopes_referenced(value: Any) -> Iterator[str]:
   """The scopes a bound value's references enter (`@train/x.Y()` enters 'train')."""
-  if isinstance(value, gin.config.ConfigurableReference):
-    if value.configurable.selector != MACRO:
-      yield from value.scoped_selector.split("/")[:-1]
-  elif isinstance(value, list | tuple | set):
-    for v in value:
-      yield from _scopes_referenced(v)
-  elif isinstance(value, dict):
-    for v in value.values():
-      yield from _scopes_referenced(v)
+  for ref in _reference_objects(value):
+    if ref.configurable.selector != MACRO:
+      yield from ref.scoped_selector.split("/")[:-1]
 
 
 def _check_reached(fn: Callable[..., Any], roots: Collection[str], config: dict,
