@@ -9,6 +9,9 @@
   logs    the tail of every process's log
   fetch   gcloud: the run's metrics and operative config from the bucket into --to DIR (the
           local backend's run dir is already on this machine)
+  check   what `start --dry-run` checks, for many runs in one process: JSON lines on stdin
+          ({"run_dir": D, "gin_params": [...]}), one answer each on stdout (null, or the line
+          `start` would end with); a sweep checks its launched points so
   stop    SIGTERM to every launched process
   down    delete the queued resources (and their nodes)
 
@@ -21,6 +24,7 @@ mistake is one line on stderr and exit status 2, before anything starts.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -33,7 +37,7 @@ from launch.spec import SpecError
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m launch", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-  p.add_argument("action", choices=(*gcloud.ACTIONS, "fetch"))
+  p.add_argument("action", choices=(*gcloud.ACTIONS, "fetch", "check"))
   p.add_argument("--spec", required=True, help="cluster spec (TOML; launch/specs/*.toml)")
   p.add_argument("--backend", choices=("gcloud", "local"), default="gcloud")
   p.add_argument("--experiment", help="gin experiment (overrides the spec's)")
@@ -58,8 +62,70 @@ def _head() -> str:
                         capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
 
 
+def _layout(
+  a: argparse.Namespace, run_dir: str | None, gin_params: tuple[str, ...]
+) -> roles.Layout:
+  """The layout `start` would run with (SpecError for what `start` rejects before starting)."""
+  if a.backend == "local":
+    from launch import local
+
+    return local.point_layout(local.load(a.spec, a.experiment), run_dir, gin_params)
+  from launch import spec as spec_lib
+
+  spec = spec_lib.with_run_dir(spec_lib.load(a.spec, a.experiment), run_dir)
+  gcloud.plan(spec, "start", gin_params=gin_params)  # its own checks (hosts, ports)
+  return gcloud.layout(spec, gin_params)
+
+
+def _read_points(lines) -> list[tuple[str | None, tuple[str, ...]]]:
+  points = []
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      d = json.loads(line)
+      run_dir, params = d.get("run_dir"), d.get("gin_params", [])
+    except (json.JSONDecodeError, AttributeError):
+      run_dir, params = 0, None
+    if not (run_dir is None or isinstance(run_dir, str)) or not (
+      isinstance(params, list) and all(isinstance(x, str) for x in params)
+    ):
+      raise SpecError(
+        f'stdin line {n}: want {{"run_dir": "DIR", "gin_params": ["BINDING", ...]}}, '
+        f"got {line.strip()[:200]!r}"
+      )
+    points.append((run_dir, tuple(params)))
+  return points
+
+
+def check(a: argparse.Namespace, lines) -> list[str | None]:
+  """`check`: each point's answer, every role of every point checked in one `asearcher
+  --check-each` process (one launcher process and one checker for a whole sweep, instead of
+  both per point)."""
+  answers: list[str | None] = []
+  layouts: dict[int, roles.Layout] = {}
+  for i, (run_dir, params) in enumerate(_read_points(lines)):
+    answers.append(None)
+    try:
+      layouts[i] = _layout(a, run_dir, params)
+    except SpecError as e:
+      answers[i] = f"launch start: spec error: {e}"
+  for i, message in zip(layouts, roles.check_layouts(list(layouts.values())), strict=True):
+    if message:
+      answers[i] = f"launch start: spec error: {message}"
+  return answers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   a = _parse(sys.argv[1:] if argv is None else argv)
+  if a.action == "check":
+    try:
+      answers = check(a, sys.stdin)
+    except SpecError as e:
+      print(f"launch check: {e}", file=sys.stderr)
+      return 2
+    print("".join(json.dumps(m) + "\n" for m in answers), end="", flush=True)
+    return 0
   try:
     if a.backend == "local":
       from launch import local

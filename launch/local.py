@@ -105,6 +105,18 @@ def layout(spec: LocalSpec, run: Path, extra: tuple[str, ...] = ()) -> roles.Lay
   )  # fmt: skip
 
 
+def run_path(spec: LocalSpec) -> Path:
+  """The run's directory (a relative run_dir is under the repository)."""
+  return (REPO / spec.run_dir) if not Path(spec.run_dir).is_absolute() else Path(spec.run_dir)
+
+
+def point_layout(spec: LocalSpec, run_dir: str | None, extra: tuple[str, ...] = ()) -> roles.Layout:
+  """The layout of `spec` run in `run_dir` (a sweep point's own; None: the spec's)."""
+  if run_dir:
+    spec = dataclasses.replace(spec, run_dir=run_dir)
+  return layout(spec, run_path(spec), extra)
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -230,7 +242,7 @@ def main(a) -> int:
   spec = load(a.spec, a.experiment)
   if a.run_dir:  # a sweep point's own directory
     spec = dataclasses.replace(spec, run_dir=a.run_dir)
-  run = (REPO / spec.run_dir) if not Path(spec.run_dir).is_absolute() else Path(spec.run_dir)
+  run = run_path(spec)
   if a.action == "fetch":
     print(f"launch fetch: the run dir {run} is on this machine already")
     return 0
@@ -241,8 +253,7 @@ def main(a) -> int:
     if any(_alive(p) for p in pids(run).values()):
       print(f"launch start: {run} already has live processes (stop first)", file=sys.stderr)
       return 1
-    lay = layout(spec, run, tuple(a.gin_param))
-    roles.check_roles(lay)
+    roles.check_roles(point_layout(spec, None, tuple(a.gin_param)))
     argv = [sys.executable, "-m", "launch.local", "supervise", str(run)]
     print(" ".join(argv), flush=True)
     if a.dry_run:  # prints what would run and leaves an earlier run's directory as it was

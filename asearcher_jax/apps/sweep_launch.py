@@ -3,8 +3,9 @@ every role of a launched run with its own run directory, the sweep waits for the
 stops the run and reads the trainer's summary back, so a point on a pod lands in the same table
 as a local one.
 
-Per point, each a `python -m launch ACTION --backend B --spec S --run_dir D` process (the library
-never imports the top-level `launch` package; .importlinter forbids it):
+Before the first point starts, one `python -m launch check` process checks every point (`check`
+below). Then per point, each a `python -m launch ACTION --backend B --spec S --run_dir D` process
+(the library never imports the top-level `launch` package; .importlinter forbids it):
   start   with the point's bindings as --gin_param
   wait    local: until the supervisor writes supervisor.done (the run's exit code) under D;
           gcloud: `status` every POLL_S["gcloud"] seconds until no trainer process is alive
@@ -88,20 +89,35 @@ def argv(p: LaunchPoint, action: str) -> list[str]:
 
 
 def check(points: list[LaunchPoint], names: list[str]) -> None:
-  """Every point's `launch start --dry-run` before the first point starts: the spec, and each
-  role's configuration with the point's bindings (the launcher's own check), so a typo in the
-  grid's last point or a spec the launcher rejects costs seconds (~6 s a point), not the earlier
-  points' runs. The first mistake is one config error naming the point."""
-  bad = []
-  for p, name in zip(points, names, strict=True):
+  """What each point's `launch start --dry-run` checks, before the first point starts: the spec,
+  and every role's configuration with the point's bindings. One `python -m launch check` process
+  for all the points of a spec and backend (it checks every role of every point in one
+  `asearcher --check-each`), so a typo in the grid's last point or a spec the launcher rejects
+  costs seconds for the whole sweep, not the earlier points' runs. The first mistake is one
+  config error naming the point."""
+  groups: dict[tuple[str, str], list[int]] = {}
+  for i, p in enumerate(points):
+    groups.setdefault((p.spec, p.backend), []).append(i)
+  answers: dict[int, str | None] = {}
+  for (spec, backend), members in groups.items():
+    cmd = [sys.executable, "-m", "launch", "check", "--backend", backend, "--spec", spec]
+    lines = "".join(
+      json.dumps({"run_dir": points[i].run_dir, "gin_params": list(points[i].gin_params)}) + "\n"
+      for i in members
+    )
     try:
-      r = subprocess.run([*argv(p, "start"), "--dry-run"], capture_output=True, text=True,
-                         cwd=REPO, timeout=CALL_TIMEOUT_S)  # fmt: skip
+      r = subprocess.run(cmd, input=lines, capture_output=True, text=True, cwd=REPO,
+                         timeout=CALL_TIMEOUT_S)  # fmt: skip
     except subprocess.TimeoutExpired:
-      bad.append((name, f"launch start --dry-run took over {CALL_TIMEOUT_S:.0f} s"))
-      continue
-    if r.returncode:
-      bad.append((name, (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]))
+      raise ConfigValueError(
+        f"sweep: launch check of {len(members)} points took over {CALL_TIMEOUT_S:.0f} s"
+      ) from None
+    got = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+    if r.returncode or len(got) != len(members):
+      last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+      raise ConfigValueError(f"sweep: {shlex.join(cmd[1:])}: {last}")
+    answers.update(zip(members, got, strict=True))
+  bad = [(names[i], answers[i]) for i in range(len(points)) if answers[i]]
   if bad:
     more = f" (and {len(bad) - 1} more points)" if len(bad) > 1 else ""
     raise ConfigValueError(f"sweep: {bad[0][0]}: {bad[0][1]}{more}")

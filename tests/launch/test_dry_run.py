@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import subprocess
 import sys
@@ -198,3 +199,44 @@ def test_start_checks_every_roles_configuration_in_one_process(monkeypatch):
   assert rc == 2 and out == "" and err.count("\n") == 1
   assert "launch start: spec error: the serving role's configuration: " in err
   assert "serve_model.serve.adress_file" in err
+
+
+def test_check_answers_for_many_points_as_start_dry_run_would_in_one_process(tmp_path):
+  """`launch check` (what a sweep runs before its launched points): each JSON line on stdin is one
+  point, each answer the line `start --dry-run` ends with for it (null when it would start), all
+  points' roles checked by one `asearcher --check-each`; a malformed line is one error, exit 2."""
+  typo = "staleness.StalenessConfig.max_stalenes=2"
+  points = [
+    {"run_dir": "sweeps/s/p00", "gin_params": ["staleness.StalenessConfig.max_staleness=2"]},
+    {"run_dir": "sweeps/s/p01", "gin_params": [typo]},
+    {"run_dir": "/abs", "gin_params": []},  # gcloud run dirs live under the bucket
+    {"gin_params": []},  # the spec's own run dir
+  ]
+  cmd = [sys.executable, "-m", "launch", "check", "--spec", str(SPECS["v5e"])]
+  stdin = "".join(json.dumps(p) + "\n" for p in points)
+  r = subprocess.run(cmd, input=stdin, capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert r.returncode == 0, r.stderr
+  answers = [json.loads(x) for x in r.stdout.splitlines()]
+  assert answers[0] is None and answers[3] is None
+  assert answers[1].startswith("launch start: spec error: the ") and "max_stalenes" in answers[1]
+  assert answers[2].startswith("launch start: spec error: ") and "/abs" in answers[2]
+  for point, answer in zip(points[1:3], answers[1:3], strict=True):  # as start --dry-run says
+    argv = ["start", "--spec", str(SPECS["v5e"]), "--dry-run", "--run_dir", point["run_dir"]]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+      rc = cli.main([*argv, *(f"--gin_param={b}" for b in point["gin_params"])])
+    assert rc == 2 and err.getvalue().strip() == answer
+  # The local backend: the same answers for its spec.
+  local_lines = [{"run_dir": str(tmp_path), "gin_params": []}, {"gin_params": [typo]}]
+  local_spec = str(REPO / "launch/specs/local_tiny.toml")
+  r = subprocess.run(
+    [*cmd[:4], "--backend", "local", "--spec", local_spec], cwd=REPO, timeout=300,
+    input="".join(json.dumps(p) + "\n" for p in local_lines), capture_output=True, text=True,
+  )  # fmt: skip
+  got = [json.loads(x) for x in r.stdout.splitlines()]
+  assert r.returncode == 0 and got[0] is None and "max_stalenes" in got[1], r.stderr
+  assert not any(tmp_path.iterdir())  # a check writes nothing
+  for bad in ('{"run_dir": 3}\n', "not json\n", '{"gin_params": "a=1"}\n'):
+    r = subprocess.run(cmd, input=bad, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("launch check: stdin line 1: want {")
