@@ -26,7 +26,7 @@ from asearcher_jax.testing.synth_scripted import toy_synthesis
 
 REPO = Path(__file__).resolve().parents[2]
 T = 60  # seconds: bound on every await of the synthesis run
-# The shipped CI-size sweep (4 questions x k 2, 5 s of RL at B 2, one 2,048-token prefill bucket:
+# The shipped CI-size sweep (4 questions x k 2, 5 s of RL at B 2, prefill buckets 512 and 2,048:
 # gin/overlays/quickstart_ci.gin), its grid cut to one point.
 SWEEP = "gin/sweeps/quickstart_ci.gin"
 GRID = '{"pipeline.QuickstartRL.max_staleness": ("4",)}'
