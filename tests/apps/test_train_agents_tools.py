@@ -150,7 +150,7 @@ def test_train_with_the_web_toolbox_records_then_replays_tool_calls(tmp_path, mo
         'train_config.TrainConfig.reward="smoke"',
         "rollout.RolloutConfig.group_size=4",
         "engine.EngineConfig.max_seq_len=2048",
-        "engine.EngineConfig.prefill_buckets=(1024, 2048)",
+        "engine.EngineConfig.prefill_buckets=(512, 2048)",
         'asearcher.AsearcherAgentConfig.prompt="synthwiki"',
         "asearcher.AsearcherAgentConfig.max_tokens=2048",
         "asearcher.AsearcherAgentConfig.max_new_tokens=64",
