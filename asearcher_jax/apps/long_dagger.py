@@ -154,7 +154,7 @@ def run_round(
     trajectories=[*data_paths, *(p for p in all_fixed for _ in range(stage.repeat))],
     out_dir=str(root / "sft"),
     policy=PolicyConfig(model_dir=str(model_dir), tokenizer_dir=str(files.tokenizer), seed=seed),
-    config=stage.sft.config, optimizer=stage.sft.optimizer,
+    config=stage.sft.config, optimizer=stage.sft.optimizer, mesh=stage.sft.mesh,
     name=f"SynthWiki long-horizon warm start, expert relabelling {root.name}",
   )  # fmt: skip
   return root / "sft" / "model", fixed

@@ -229,6 +229,7 @@ def make_warm_start(
       model_dir=warm.init_from, tokenizer_dir=str(files.tokenizer), seed=warm.seed
     ),
     scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
+    mesh=warm.sft.mesh,
     name="SynthWiki long-horizon warm start (asearcher long-horizon)",
   )  # fmt: skip
   model_dir = long_dagger.run_rounds(

@@ -196,6 +196,7 @@ def sft(
     "config": dataclasses.asdict(config),
     "optimizer": dataclasses.asdict(optimizer) if optimizer else "default",
     "tokenizer_dir": str(tok_dir),
+    "mesh": dict(device_mesh.shape),
     "data": {
       "files": files,
       "data_sha256": data_sha,

@@ -43,6 +43,7 @@ from asearcher_jax.apps.world import (
   expert_trajectories,
   prepare_world,
 )
+from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model import steps
 from asearcher_jax.model.loading import PolicyConfig
 from asearcher_jax.serving.engine import EngineConfig
@@ -106,6 +107,8 @@ class SFTStage:
   config: SFTConfig = WARM_START_SFT
   # The AdamW schedule.
   optimizer: steps.OptimizerConfig = WARM_START_OPTIMIZER
+  # The SFT's (data, fsdp, tensor) mesh (default: every device on fsdp).
+  mesh: sharding_lib.MeshConfig = sharding_lib.MeshConfig()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,6 +123,8 @@ class HastyStage:
   config: SFTConfig = EARLY_ANSWER_SFT
   # The AdamW schedule.
   optimizer: steps.OptimizerConfig = EARLY_ANSWER_OPTIMIZER
+  # The SFT's (data, fsdp, tensor) mesh (default: every device on fsdp).
+  mesh: sharding_lib.MeshConfig = sharding_lib.MeshConfig()
 
 
 def evaluate_model_dir(
@@ -212,7 +217,7 @@ def warm_start(
     sft_commands.sft(
       trajectories=str(data), out_dir=str(out / "sft"),
       policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=seed), scratch=sft.scratch,
-      config=sft.config, optimizer=sft.optimizer,
+      config=sft.config, optimizer=sft.optimizer, mesh=sft.mesh,
       name="SynthWiki warm start (asearcher warm-start)",
     )  # fmt: skip
   model_dir = out / "sft" / "model"
@@ -268,7 +273,7 @@ def hasty_stage(
   sft_commands.sft(
     trajectories=str(data), out_dir=str(out / "hasty" / "sft"),
     policy=PolicyConfig(model_dir=str(init_dir), tokenizer_dir=str(files.tokenizer), seed=seed),
-    config=hasty.config, optimizer=hasty.optimizer,
+    config=hasty.config, optimizer=hasty.optimizer, mesh=hasty.mesh,
     name="SynthWiki warm start, hasty stage (asearcher warm-start)",
   )  # fmt: skip
   summary = json.loads((out / "hasty" / "sft" / "sft_summary.json").read_text())

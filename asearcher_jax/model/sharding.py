@@ -51,14 +51,30 @@ class MeshConfig:
   fsdp: int = -1
   # Tensor parallelism over heads and MLP columns (keep within a host's chips: it talks most).
   tensor: int = 1
+  # Devices the mesh spans: the first N of one process's (part of a shared host, or one device
+  # where a test process fakes eight); None: every device of every process.
+  devices: int | None = None
 
   def __post_init__(self):
     sizes = (self.data, self.fsdp, self.tensor)
     if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
       raise ValueError(f"MeshConfig sizes must be >= 1, at most one -1; got {sizes}")
+    if self.devices is not None and self.devices < 1:
+      raise ValueError(f"MeshConfig.devices must be >= 1 or None, got {self.devices}")
 
   def build(self, devices: Sequence | None = None) -> Mesh:
-    """The mesh over `devices` (default: all devices of all processes)."""
+    """The mesh over `devices` (default: the first `self.devices`, else all devices of all
+    processes)."""
+    if devices is None and self.devices is not None:
+      have = jax.devices()
+      if jax.process_count() > 1 and self.devices != len(have):
+        raise ValueError(
+          f"MeshConfig.devices = {self.devices}: a multi-process mesh spans every process's "
+          f"devices ({len(have)}); leave it None"
+        )
+      if self.devices > len(have):
+        raise ValueError(f"MeshConfig.devices = {self.devices}, but {len(have)} device(s) exist")
+      devices = have[: self.devices]
     return make_mesh(data=self.data, fsdp=self.fsdp, tensor=self.tensor, devices=devices)
 
 

@@ -20,6 +20,7 @@ from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps.warm_start import WARM_START_OPTIMIZER, SFTStage
 from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
 from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model.sharding import MeshConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki import chain_breaks
@@ -247,6 +248,10 @@ def test_give_up_range_is_checked():
     ExpertConfig(give_up_after_hops=(0, 2))
 
 
+# The SFTs on one of the test process's 8 fake devices (see test_pipeline_e2e.ONE_DEVICE).
+ONE_DEVICE = MeshConfig(devices=1)
+
+
 @pytest.mark.slow
 def test_long_horizon_ci_size_reports_every_key(tmp_path):
   run_dir = tmp_path / "lh"
@@ -256,7 +261,7 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   warm = lh.LongWarmStart(
     samples_per_question=1, give_up_after_hops=(2, 3), ship_to=str(shipped), copy_drills=2,
     sft=SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
-      WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1)),
+      WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1), mesh=ONE_DEVICE),
   )  # fmt: skip
   # A 2-step warm start cannot answer: RL runs on the "smoke" reward (plumbing, not learning),
   # with the agent's limits at 3 tool calls and a 512-token engine (one prefill shape).
@@ -282,6 +287,7 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   assert card["command"] == f"asearcher long-horizon --gin_file {warm.recipe}"
   assert warm.recipe == "gin/experiments/long_horizon_warm_start.gin"
   assert card["data_sha256"] == card["sft_summary"]["data"]["data_sha256"]
+  assert card["sft_summary"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}  # ONE_DEVICE
   assert sum(v["samples"] for v in card["by_hops"].values()) == 4 * 2
   # Every evaluated episode's chain break is counted once, at a hop inside its chain.
   breaks = card["chain_breaks"]
@@ -358,7 +364,7 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   # differ, a fine-tune from the SFT's model on those plus the SFT's files; the card says so and
   # evaluates the round's model.
   round_sft = SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
-    WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1))  # fmt: skip
+    WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1), mesh=ONE_DEVICE)  # fmt: skip
   dagger = long_dagger.DaggerStage(rounds=1, questions=3, samples=2, repeat=2, sft=round_sft)
   assert lh.long_horizon(**{**pages_run, "warm": dataclasses.replace(pages, dagger=dagger)}) == 0
   sft_summary = json.loads((pages_dir / "warm_start" / "sft" / "sft_summary.json").read_text())

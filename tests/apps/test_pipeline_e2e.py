@@ -24,6 +24,7 @@ from asearcher_jax.apps.warm_start import (
   SFTStage,
   warm_start,
 )
+from asearcher_jax.model.sharding import MeshConfig
 from asearcher_jax.rl.replay import CONSUMED_LOG
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
@@ -35,6 +36,10 @@ from asearcher_jax.synthwiki.wiki import TINY
 SMALL_ENGINE = EngineConfig(
   max_slots=8, max_seq_len=512, prefill_buckets=(512,), suffix_buckets=(256,)
 )
+# The SFT on one of the test process's 8 fake devices: the mesh is not what these pipelines test
+# (tests/sft and tests/model do), and an 8-way program of these sizes cost this test 64 -> 49 s
+# and the long-horizon one 126 -> 96 s (2026-11-29, 2 cores).
+ONE_DEVICE = MeshConfig(devices=1)
 SUMMARY_KEYS = {
   "avg4_sft", "avg4_rl", "pass4_sft", "pass4_rl", "tool_calls_first_steps",
   "tool_calls_last_steps", "wall_s", "peak_rss_mb",
@@ -51,12 +56,14 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
       config=SFTConfig(steps=4, row_len=512, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                        progress=False),
       optimizer=dataclasses.replace(WARM_START_OPTIMIZER, total_steps=4, warmup_steps=1),
+      mesh=ONE_DEVICE,
     ),
     hasty=HastyStage(
       early_answer=0.5,
       config=SFTConfig(steps=2, row_len=512, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                        progress=False),
       optimizer=dataclasses.replace(EARLY_ANSWER_OPTIMIZER, total_steps=2, warmup_steps=1),
+      mesh=ONE_DEVICE,
     ),
     evaluation=pipeline.QuickstartEval(questions=2, k=2, engine_warmup=False), ship_to=str(ship),
     engine=SMALL_ENGINE,
@@ -68,6 +75,7 @@ def test_warm_start_on_a_tiny_world_makes_a_complete_checkpoint(tmp_path):
   assert len((ws / "expert_trajectories.jsonl").read_text().splitlines()) >= 50
   card = json.loads((ws / "warm_start.json").read_text())
   assert card["sft_summary"]["step"] == 4 and 0.0 <= card["greedy_em"] <= 1.0
+  assert card["sft_summary"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
   assert card["eval"]["greedy"]["n"] == 2 and card["eval"]["sampled"]["k"] == 2
   assert card["expert"]["expert_mean_reward"] > 0.5  # the expert really solves the world
   for name in ("config.json", "model.safetensors", "tokenizer.json", "model_card.md"):

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model import steps, transformer
+from asearcher_jax.model.sharding import MeshConfig
 from tests.model.test_model import small_cfg
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
@@ -111,3 +112,18 @@ def test_sharded_train_step_matches_single_device_and_donates():
   # sharding bug moves parameters by ~lr = 1e-2.
   for a, b in zip(jax.tree.leaves(s2.params), jax.tree.leaves(s1.params), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4)
+
+
+def test_a_mesh_over_the_first_n_devices():
+  """`MeshConfig.devices`: part of a host's devices (one of the 8 fake ones here); more than exist,
+  or fewer than 1, is a clear error."""
+  mesh = MeshConfig(devices=2).build()
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1}
+  assert list(mesh.devices.flat) == jax.devices()[:2]
+  assert MeshConfig(devices=1, fsdp=1).build().size == 1
+  with pytest.raises(ValueError, match=r"MeshConfig\.devices = 9, but 8 device"):
+    MeshConfig(devices=9).build()
+  with pytest.raises(ValueError, match=r"MeshConfig\.devices must be >= 1"):
+    MeshConfig(devices=0)
+  with pytest.raises(ValueError, match="needs 4 devices, have 2"):
+    MeshConfig(devices=2, fsdp=4).build()
