@@ -10,8 +10,9 @@
   fetch   gcloud: the run's metrics and operative config from the bucket into --to DIR (the
           local backend's run dir is already on this machine)
   check   what `start --dry-run` checks, for many runs in one process: JSON lines on stdin
-          ({"run_dir": D, "gin_params": [...]}), one answer each on stdout (null, or the line
-          `start` would end with); a sweep checks its launched points so
+          ({"run_dir": D, "gin_params": [...]}, added to --run_dir and --gin_param as start
+          takes them), one answer each on stdout (null, or the line `start` would end with);
+          a sweep checks its launched points so
   stop    SIGTERM to every launched process
   down    delete the queued resources (and their nodes)
 
@@ -106,8 +107,8 @@ def check(a: argparse.Namespace, lines) -> list[str | None]:
   layouts: dict[int, roles.Layout] = {}
   for i, (run_dir, params) in enumerate(_read_points(lines)):
     answers.append(None)
-    try:
-      layouts[i] = _layout(a, run_dir, params)
+    try:  # --run_dir and --gin_param as for start: a point's own run dir wins, bindings add up
+      layouts[i] = _layout(a, run_dir or a.run_dir, (*a.gin_param, *params))
     except SpecError as e:
       answers[i] = f"launch start: spec error: {e}"
   for i, message in zip(layouts, roles.check_layouts(list(layouts.values())), strict=True):

@@ -236,6 +236,10 @@ def test_check_answers_for_many_points_as_start_dry_run_would_in_one_process(tmp
   got = [json.loads(x) for x in r.stdout.splitlines()]
   assert r.returncode == 0 and got[0] is None and "max_stalenes" in got[1], r.stderr
   assert not any(tmp_path.iterdir())  # a check writes nothing
+  # --gin_param binds every point, as it binds every role of a start.
+  r = subprocess.run([*cmd, f"--gin_param={typo}"], input='{"gin_params": []}\n', cwd=REPO,
+                     capture_output=True, text=True, timeout=300)  # fmt: skip
+  assert r.returncode == 0 and "max_stalenes" in json.loads(r.stdout), r.stderr
   for bad in ('{"run_dir": 3}\n', "not json\n", '{"gin_params": "a=1"}\n'):
     r = subprocess.run(cmd, input=bad, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
