@@ -253,7 +253,7 @@ def main(a) -> int:
     if any(_alive(p) for p in pids(run).values()):
       print(f"launch start: {run} already has live processes (stop first)", file=sys.stderr)
       return 1
-    roles.check_roles(point_layout(spec, None, tuple(a.gin_param)))
+    roles.check_roles(layout(spec, run, tuple(a.gin_param)))
     argv = [sys.executable, "-m", "launch.local", "supervise", str(run)]
     print(" ".join(argv), flush=True)
     if a.dry_run:  # prints what would run and leaves an earlier run's directory as it was
