@@ -354,7 +354,7 @@ def warm_up(shared: Shared, w: Workload) -> dict[str, float]:
       "logprobs": np.zeros(MAX_SEQ - 8, np.float32), "versions": np.zeros(MAX_SEQ - 8, np.int32),
     }  # fmt: skip
     groups = [
-      Group(group_id=f"warm{rows}/{i}", trajectories=[[seq]], rewards=[float(i % 2)],
+      Group(group_id=f"warm{rows}/{i}", trajectories=[[seq]], advantages=[float(i % 2)],
             created_version=0)
       for i in range(n)
     ]  # fmt: skip

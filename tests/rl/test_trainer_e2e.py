@@ -268,7 +268,7 @@ def stub_group(i: int) -> Group:
     "tokens": np.arange(4, dtype=np.int32), "loss_mask": np.asarray([0, 0, 1, 1], np.int32),
     "logprobs": np.zeros(4, np.float32), "versions": np.asarray([-1, -1, 0, 0], np.int32),
   }  # fmt: skip
-  return Group(group_id=f"g{i}", trajectories=[[seq]], rewards=[1.0], created_version=0)
+  return Group(group_id=f"g{i}", trajectories=[[seq]], advantages=[1.0], created_version=0)
 
 
 def stub_trainer(run_dir: Path, steps: int, *, blocking: bool = False):

@@ -56,7 +56,7 @@ def one_group(seed: int = 0) -> Group:
       "tokens": tokens, "loss_mask": mask, "logprobs": np.where(mask > 0, -4.6, 0.0).astype(np.float32),
       "versions": np.where(mask > 0, 0, -1).astype(np.int32),
     }])  # fmt: skip
-  return Group(group_id=f"g{seed}", trajectories=trajs, rewards=[1.0, -1.0], created_version=0)
+  return Group(group_id=f"g{seed}", trajectories=trajs, advantages=[1.0, -1.0], created_version=0)
 
 
 def bf16(tree):
