@@ -82,6 +82,10 @@ class ScriptedRollout:
     if self.store is not None:
       self.store.flush(timeout)
 
+  def close(self, timeout=None) -> None:
+    if self.store is not None:
+      self.store.close(timeout)
+
   def publish(self, learner) -> dict[str, float]:
     import jax
 
