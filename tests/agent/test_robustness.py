@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -84,6 +85,7 @@ def test_reasoning_agent_never_raises(script):
   assert_token_exact(traj, client.calls)
 
 
+@pytest.mark.slow
 def test_one_megabyte_generation():
   huge = "<search> a <search>" + "xé" * 500_000 + "</search><search>" * 2000
   traj, client = _run(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig
@@ -17,6 +18,7 @@ from asearcher_jax.testing.recording_client import RecordingClient
 from tests.model.test_model import small_cfg
 
 
+@pytest.mark.slow
 async def test_asearcher_agent_on_the_real_engine(tok):
   cfg = small_cfg(vocab_size=tok.vocab_size)
   model = transformer.Transformer(cfg, rngs=nnx.Rngs(0))

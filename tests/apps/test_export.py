@@ -45,6 +45,7 @@ def _assert_exported(out, params: dict[tuple, np.ndarray], dtype=np.float32) -> 
     np.testing.assert_array_equal(tensors[name], want, err_msg=name)
 
 
+@pytest.mark.slow
 def test_export_of_the_quickstart_run_is_its_newest_checkpoint(tiny_run, tmp_path):
   rl = tiny_run / "quickstart" / "rl"
   # The run wrote the policy's config when it started (what the export needs besides weights).
@@ -85,6 +86,7 @@ def hand_made_run(tmp_path):
   return run, cfg
 
 
+@pytest.mark.slow
 def test_export_any_step_in_any_dtype_and_each_mistake_is_one_line(hand_made_run, tmp_path):
   run, cfg = hand_made_run
   assert export_lib.export(run_dir=str(run), step=3) == 0  # default place: run/export/step_3

@@ -70,6 +70,7 @@ def test_longer_world_adds_13_to_16_hop_chains_and_keeps_the_shipped_warm_starts
   qs.check_tokenizer(files, lh.long_warm_start.LONG_WARM_START)
 
 
+@pytest.mark.slow
 def test_longest_world_appends_17_to_32_hop_chains_and_changes_nothing_else(tmp_path):
   longer, longest = build_synthwiki(lh.LONGER_WORLD), build_synthwiki(lh.LONGEST_WORLD)
   n = len(longer.questions)

@@ -57,6 +57,7 @@ def test_sweep_expansion_names_and_table():
   assert t.splitlines()[2] == "| p0 | 0.1235 |  |"
 
 
+@pytest.mark.slow
 def test_sweep_of_plans_runs_points_as_processes_and_resumes(tmp_path):
   """A 2 x 2 grid of `asearcher plan` (seconds per point): each point a process with its own
   operative config, the table from their JSON lines; a rerun runs nothing again."""
@@ -90,6 +91,7 @@ sweeping.sweep.metrics = ("train_step_s", "speedup_async_vs_sync")
   assert rc == 0 and out.count("| done before |") == 4
 
 
+@pytest.mark.slow
 def test_a_mistake_in_any_point_stops_the_sweep_before_the_first_runs(tmp_path, capsys):
   """A typo in the last point (or two) is one config error naming the first bad point, found by
   one checking process before any point runs (also under dry_run): nothing runs, no point's

@@ -52,6 +52,7 @@ def sweep(sweep_file: str, *params: str) -> tuple[int, str, str]:
   return rc, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow
 def test_gcloud_dry_run_prints_every_points_launch_commands(tmp_path):
   root = tmp_path / "v5p"
   rc, out, _ = sweep(V5P_SWEEP, f'sweeping.sweep.root="{root}"', "sweeping.sweep.dry_run=True")
@@ -100,6 +101,7 @@ def test_gcloud_dry_run_prints_every_points_launch_commands(tmp_path):
   assert "--run_dir: '/abs' must be a relative path under gs://my-bucket" in err.getvalue()
 
 
+@pytest.mark.slow
 def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_path, monkeypatch):
   root = tmp_path / "s"
   rc_spec = f'sweeping.sweep.root="{root}"'
@@ -141,6 +143,7 @@ def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_pa
   assert " stop " in log  # stopped even so
 
 
+@pytest.mark.slow
 def test_a_point_past_its_timeout_is_stopped_and_leaves_nothing(tmp_path, monkeypatch):
   """timeout_s = 5: the wait gives up while the roles still start; `stop` ends every process."""
   monkeypatch.setenv("XLA_FLAGS", "")

@@ -129,6 +129,7 @@ def synthwiki_questions(path: Path, n: int = 8) -> Path:
   return path
 
 
+@pytest.mark.slow
 def test_train_with_the_web_toolbox_records_then_replays_tool_calls(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("SERPER_API_KEY", fakes.SERPER_KEY)
   monkeypatch.setenv("JINA_API_KEY", fakes.JINA_KEY)

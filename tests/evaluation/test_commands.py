@@ -39,6 +39,7 @@ def _closed_port() -> int:
     return s.getsockname()[1]  # nobody listens there once the socket is closed
 
 
+@pytest.mark.slow
 def test_bad_dataset_file_is_a_one_line_error_naming_the_line(tmp_path):
   bad = tmp_path / "mine.jsonl"
   bad.write_text(
@@ -51,6 +52,7 @@ def test_bad_dataset_file_is_a_one_line_error_naming_the_line(tmp_path):
   assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_unreachable_generation_endpoint_fails_fast_from_the_cli(tmp_path):
   port = _closed_port()
   t0 = time.perf_counter()

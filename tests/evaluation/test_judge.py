@@ -145,6 +145,7 @@ async def test_unreachable_judge_fails_fast():
   assert time.perf_counter() - t0 < 5
 
 
+@pytest.mark.slow
 async def test_judge_against_serve_model_in_an_eval_run(
   tmp_path, tok, make_driver, retrieval_server
 ):

@@ -135,6 +135,7 @@ def test_module_entry_point_and_missing_spec(tmp_path):
   assert r.returncode == 2 and "no such spec file" in r.stderr and r.stdout == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "path",
   sorted(p for p in (REPO / "launch/specs").glob("*.toml") if not p.stem.startswith("local")),
@@ -181,6 +182,7 @@ def test_stop_script_waits_for_its_processes_and_kills_what_ignores_sigterm(tmp_
   assert not list((tmp_path / "pids").glob("*.pid"))
 
 
+@pytest.mark.slow
 def test_start_checks_every_roles_configuration_in_one_process(monkeypatch):
   """`start` checks the retrieval, serving and trainer roles' own command lines before anything
   runs: a flag launch writes for one role that no longer binds there (or a value only that role
@@ -201,6 +203,7 @@ def test_start_checks_every_roles_configuration_in_one_process(monkeypatch):
   assert "serve_model.serve.adress_file" in err
 
 
+@pytest.mark.slow
 def test_check_answers_for_many_points_as_start_dry_run_would_in_one_process(tmp_path):
   """`launch check` (what a sweep runs before its launched points): each JSON line on stdin is one
   point, each answer the line `start --dry-run` ends with for it (null when it would start), all

@@ -18,6 +18,7 @@ IDS = np.array(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "model_type,kw",
   [

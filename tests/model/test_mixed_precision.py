@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from asearcher_jax.model import steps, transformer
@@ -58,6 +59,7 @@ def _adam_step_float64(p: np.ndarray, g: np.ndarray) -> np.ndarray:
   return p.astype(np.float64) - LR * g / (np.sqrt(g * g) + OPT.eps)
 
 
+@pytest.mark.slow
 def test_bf16_update_rounds_away_and_fp32_master_weights_keep_it():
   # Storage is what differs (bf16 vs fp32 master); the forward runs in float32 here so that the
   # reference's gradient equals the step's own to float32 rounding (bf16 compute would add

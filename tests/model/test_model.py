@@ -36,6 +36,7 @@ _extend = nnx.jit(lambda model, *args, fresh=False: model.extend(*args, fresh=fr
                   static_argnames="fresh")  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_packed_scores_equal_unpacked(model_type):
   cfg = small_cfg(model_type)
@@ -80,6 +81,7 @@ def test_score_temperature_matches_logsoftmax():
   np.testing.assert_allclose(np.asarray(lp[0, 1:]), np.asarray(want), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_prefill_then_decode_equals_full_forward(model_type):
   cfg = small_cfg(model_type)
@@ -123,6 +125,7 @@ def test_presets_build_and_count_params():
     presets.model_config(name="gpt-5")
 
 
+@pytest.mark.slow
 def test_remat_gives_same_gradients():
   cfg = small_cfg()
   tok = jnp.asarray(np.arange(12)[None] % cfg.vocab_size)
@@ -136,6 +139,7 @@ def test_remat_gives_same_gradients():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_blocked_causal_attention_equals_full_matrix():
   rng = np.random.default_rng(5)
   tok = jnp.asarray(rng.integers(0, 101, (2, 16)))
@@ -147,6 +151,7 @@ def test_blocked_causal_attention_equals_full_matrix():
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_extend_in_query_blocks_equals_full_forward():
   """Prefill (fresh) and suffix prefills longer than attention_block run in query blocks; both
   must give the full forward's logits and the same cache."""

@@ -49,6 +49,7 @@ def test_mesh_and_logical_rules():
     sharding_lib.make_mesh(data=2, fsdp=4, tensor=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_sharded_forward_and_grad_match_single_device(model_type):
   cfg = small_cfg(model_type, hidden_size=64, intermediate_size=96)
@@ -84,6 +85,7 @@ def test_sharded_forward_and_grad_match_single_device(model_type):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sharded_train_step_matches_single_device_and_donates():
   cfg = small_cfg(hidden_size=64, intermediate_size=96)
   graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(1)))

@@ -91,6 +91,7 @@ async def test_retrieval_server_under_abuse(retrieval):
   assert server.requests["error"] == 0
 
 
+@pytest.mark.slow
 async def test_openai_server_under_abuse(openai_api):
   server, port = openai_api
   await check_abuse(port, [COMPLETIONS, CHAT], server.config.max_body_bytes)
@@ -138,6 +139,7 @@ def sync_post(port: int, path: str, body: bytes) -> int:
     return e.code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "server,ep", [("retrieval", RETRIEVE), ("retrieval", ACCESS), ("openai", COMPLETIONS),
                 ("openai", CHAT)],

@@ -230,6 +230,7 @@ def test_groups_already_queued_are_not_resumed(tok):
   assert [j.key for j in other._resume] == ["e0/i0"]
 
 
+@pytest.mark.slow
 def test_real_driver_partial_generation_survives_a_crash_and_continues_with_new_weights(
   make_driver,  # noqa: F811
 ):

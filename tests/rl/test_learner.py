@@ -71,6 +71,7 @@ def _gen_logprob(learner, groups, sign):
   return float(lp[sel].mean())
 
 
+@pytest.mark.slow
 def test_ppo_steps_raise_positive_and_lower_negative_sequences_without_recompiling(model):
   _, graphdef, params = model
   learner = Learner(
@@ -90,6 +91,7 @@ def test_ppo_steps_raise_positive_and_lower_negative_sequences_without_recompili
   assert learner.compiled_shapes() == 1  # every batch fell into the same bucket
 
 
+@pytest.mark.slow
 def test_first_minibatch_ratio_is_one_and_weights_are_decoupled(model):
   _, graphdef, params = model
   learner = Learner(
@@ -104,6 +106,7 @@ def test_first_minibatch_ratio_is_one_and_weights_are_decoupled(model):
   assert m["ppo/imp_weight_max"] > 1.2 and 0 < m["ppo/cap_masked_frac"] < 1
 
 
+@pytest.mark.slow
 def test_plain_ppo_without_recompute_skips_the_extra_forward(model):
   _, graphdef, params = model
   learner = Learner(
@@ -134,6 +137,7 @@ def test_advantage_pipeline_reward_transform_group_and_global_norm(model):
   assert not mb.arrays["advantages"][mb.arrays["loss_mask"] == 0].any()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 def test_sharded_learner_matches_single_device(model):
   _, graphdef, params = model
@@ -154,6 +158,7 @@ def test_sharded_learner_matches_single_device(model):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True])
 def test_micro_batches_give_the_whole_minibatch_update(model, sharded):
   """micro_rows accumulates gradients over row chunks; the update and the metrics must equal
@@ -184,6 +189,7 @@ def test_micro_batches_give_the_whole_minibatch_update(model, sharded):
     PPOConfig(micro_rows=3, row_buckets=(4, 8))
 
 
+@pytest.mark.slow
 def test_one_minibatch_takes_prox_from_the_step_forward(model):
   """With one minibatch pi_prox is the pre-step policy, so the step's own forward (stop-gradient)
   replaces the separate scoring pass: same update and metrics, and no scoring pass runs."""
@@ -209,6 +215,7 @@ def test_one_minibatch_takes_prox_from_the_step_forward(model):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_short_rows_pack_short_minibatches_and_train_the_same(model):
   """short_row_lens: a minibatch packs into the shortest row length that holds its longest
   sequence; the row length changes the cost, not the update."""
@@ -233,6 +240,7 @@ def test_short_rows_pack_short_minibatches_and_train_the_same(model):
     PPOConfig(row_len=64, short_row_lens=(64,))
 
 
+@pytest.mark.slow
 def test_ppo_epochs_reuse_the_batch_clipped_around_the_pre_step_policy(model):
   """ppo_epochs=2: two optimizer steps on the same minibatch, both clipped around the pi_prox of
   the pre-step weights (the second one sees ratios != 1 and clips), exactly two `update`s with

@@ -22,6 +22,7 @@ from tests.serving.conftest import make_driver, tiny_model, tokenizer  # noqa: F
 T = 60
 
 
+@pytest.mark.slow
 async def test_two_servers_one_weights_dir(tmp_path, make_driver):  # noqa: F811
   weights = tmp_path / "weights"
   trainer_model = tiny_model(seed=0)

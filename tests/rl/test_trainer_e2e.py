@@ -216,6 +216,7 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
       )
 
 
+@pytest.mark.slow
 def test_eta0_is_synchronous(tmp_path, byte_tok_dir):
   run = build(tmp_path / "sync", byte_tok_dir, eta=0, steps=2)
   try:

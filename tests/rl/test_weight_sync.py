@@ -75,6 +75,7 @@ def leaves_equal(a, b) -> bool:
   )
 
 
+@pytest.mark.slow
 async def test_in_process_update_lands_mid_generation(make_driver):  # noqa: F811
   model = tiny_model()
   driver = make_driver(model, slots=2, max_seq_len=128, buckets=(16, 128))

@@ -37,6 +37,7 @@ def _host(state):
                                   state.next_tokens, state.keys, state.active)]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLE], ids=["greedy", "sample"])
 def test_a_batched_suffix_prefill_is_the_single_ones(tokenizer, sampling):
   engine = Engine.from_model(
@@ -87,6 +88,7 @@ async def _two_turns(driver, sp, n=5):
   return nexts, firsts + seconds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLE], ids=["greedy", "sample"])
 async def test_driver_batches_turns_that_arrive_together(make_driver, sampling):
   model = tiny_model(seed=6)
@@ -102,6 +104,7 @@ async def test_driver_batches_turns_that_arrive_together(make_driver, sampling):
   assert sa["prefill_calls"] < sb["prefill_calls"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_reprefill", [True, False])
 async def test_batched_reprefill_equals_one_call_per_slot(make_driver, batch_reprefill):
   old, new = tiny_model(seed=4), tiny_model(seed=5)

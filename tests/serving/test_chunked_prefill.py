@@ -40,6 +40,7 @@ def _record_pieces(driver, on_piece=None) -> list[tuple[int, int]]:
   return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=3)],
                          ids=["greedy", "sample"])  # fmt: skip
 async def test_pieces_give_what_one_prefill_gives(make_driver, sampling):

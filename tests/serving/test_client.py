@@ -34,6 +34,7 @@ async def served(make_driver):
   await asyncio.wait_for(server.stop(), T)
 
 
+@pytest.mark.slow
 async def test_remote_generate_equals_in_process_generate(served, tmp_path):
   driver, url = served
   prompts = [[5, 17, 42], [9, 3, 88, 31, 2, 40, 76, 61, 14, 3, 90, 11]]

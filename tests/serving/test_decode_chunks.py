@@ -43,6 +43,7 @@ def _filled(engine: Engine, samplings):
   return params, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["while", "fixed"])
 def test_a_chunk_is_the_single_steps_with_stops_and_budgets_inside(tokenizer, loop):
   """Whatever the device loop (EngineConfig.decode_loop: an early exit, or a known trip count
@@ -99,6 +100,7 @@ def test_a_chunk_is_the_single_steps_with_stops_and_budgets_inside(tokenizer, lo
     EngineConfig(decode_loop="scan")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["while", "fixed"])
 async def test_driver_results_equal_one_step_per_call(make_driver, tokenizer, loop):
   """A mixed workload (greedy, seeded samples, top-p, stop ids that fire, a stop string, top
@@ -155,6 +157,7 @@ async def _update_mid_request(driver, new, n_total: int) -> tuple:
   return await asyncio.wait_for(task, 60), submitted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_on_update", ["recompute", "keep"])
 async def test_a_weight_update_lands_at_the_next_call_boundary(make_driver, tokenizer,
                                                                kv_on_update):  # fmt: skip

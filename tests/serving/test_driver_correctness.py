@@ -120,6 +120,7 @@ async def test_greedy_without_logprobs_same_tokens_nan_logprobs(make_driver):
   )
 
 
+@pytest.mark.slow
 @BOTH_STEPS
 async def test_decode_over_live_rows_only_matches_full_steps(make_driver):
   """With decode_rows, a step computes only enough gathered rows for the live slots; tokens,
@@ -262,6 +263,7 @@ async def swap_after(driver, new_model, n_before: int) -> None:
   await asyncio.wrap_future(update)
 
 
+@pytest.mark.slow
 @BOTH_STEPS
 async def test_weight_swap_mid_generation(make_driver):
   old, new = tiny_model(seed=4), tiny_model(seed=5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from tests.serving.conftest import BOTH_STEPS, hold_driver, tiny_model
@@ -23,6 +24,7 @@ def _first_hit(tokens: list[int], stop_id: int) -> int:
   return tokens.index(stop_id) + 1
 
 
+@pytest.mark.slow
 @BOTH_STEPS
 async def test_stops_never_leak_the_extra_token_and_refilled_slots_start_clean(make_driver):
   model = tiny_model(seed=11)

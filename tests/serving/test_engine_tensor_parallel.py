@@ -61,6 +61,7 @@ def _greedy_run(eng: Engine, steps: int = 12) -> tuple[np.ndarray, np.ndarray, o
   return np.stack(toks, 1), np.stack(lps, 1), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 def test_tensor_parallel_engine_matches_one_device(tokenizer, num_kv_heads):
   """num_kv_heads=4: the cache splits by KV head; 2 (< tensor): k/v and the cache replicate."""
@@ -118,6 +119,7 @@ def test_a_sharded_decode_step_moves_activations_never_weights(tokenizer, num_kv
   assert moved.cache.k[0].sharding.is_equivalent_to(state.cache.k[0].sharding, 4)
 
 
+@pytest.mark.slow
 async def test_weight_update_in_any_layout_lands_in_the_engine_shardings(tokenizer):
   """A weights store hands host arrays, an in-process learner its fsdp-sharded params: both are
   placed into the engine's shardings, and the tokens follow the new weights."""

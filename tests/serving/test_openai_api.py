@@ -314,6 +314,7 @@ async def test_streaming_with_the_official_client_concatenates_to_the_same_text(
     await client.close()
 
 
+@pytest.mark.slow
 async def test_top_logprobs_with_the_official_client(api, tokenizer):
   """logprobs=3 (completions) and top_logprobs=3 (chat), greedy: the chosen token's logprob is
   the extension's, its alternatives are sorted and none is above it (it is the argmax)."""

@@ -55,6 +55,7 @@ async def test_multi_turn_equals_full_prefill(make_driver):
   assert plain.stats()["prefix_hits"] == 0 and plain.stats()["slots_parked"] == 0
 
 
+@pytest.mark.slow
 @BOTH_STEPS
 async def test_sampled_continuation_equals_full_prefill(make_driver):
   model = tiny_model(seed=2)
@@ -121,6 +122,7 @@ async def test_lru_reclaim_when_slots_full(make_driver):
   assert res_a.tokens == greedy_reference(model, na, 5)
 
 
+@pytest.mark.slow
 @BOTH_STEPS
 async def test_abort_of_reused_request(make_driver):
   model = tiny_model(seed=4)

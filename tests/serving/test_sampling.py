@@ -58,6 +58,7 @@ def test_draw_samples_the_softmax_distribution():
   assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(probs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_compiled_paths_agree(temperature):
   rng = np.random.default_rng(2)

@@ -51,6 +51,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
   raise AssertionError(f"no address file in {timeout} s:\n{proc.communicate(timeout=T)[0]}")
 
 
+@pytest.mark.slow
 async def test_serve_model_serves_http_and_grpc_then_stops_on_sigterm(tmp_path, tokenizer):
   addr = tmp_path / "policy.addr"
   proc = _start(

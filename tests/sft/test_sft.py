@@ -174,6 +174,7 @@ def trained(tmp_path_factory, tok, trajs):
   trainer.close()
 
 
+@pytest.mark.slow
 def test_loss_falls_on_a_memorisable_set(trained):
   _, result, out = trained
   losses = [h["sft/loss"] for h in result.history if "sft/loss" in h]
@@ -185,6 +186,7 @@ def test_loss_falls_on_a_memorisable_set(trained):
   assert any("sft/loss" in r for r in rows) and any("eval/loss" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_export_reloads_with_identical_logprobs(trained, tok, tok_dir, trajs, tmp_path):
   from asearcher_jax.model.loading import load_policy
   from asearcher_jax.sft import export
@@ -205,6 +207,7 @@ def test_export_reloads_with_identical_logprobs(trained, tok, tok_dir, trajs, tm
   assert tokenizer.vocab_size == tok.vocab_size
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(tmp_path, tok, trajs):
   seqs = _seqs(trajs)
   full = _trainer(tmp_path / "a", tok, seqs, steps_=6, checkpoint_every=3, layers=1)
@@ -226,6 +229,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tok, trajs):
   assert again.start_step == 6 and again.step == 6  # finished: nothing left to train
 
 
+@pytest.mark.slow
 def test_bf16_policy_trains_on_fp32_master_weights(tmp_path, tok, trajs):
   """A bf16 checkpoint at a small learning rate: pure bf16 (master_dtype=None, the old
   behaviour) rounds nearly every update away; the fp32 master copy keeps them, and the export
@@ -262,6 +266,7 @@ def fresh_gin():
   gin.clear_config()
 
 
+@pytest.mark.slow
 def test_sft_command_end_to_end(tmp_path, tok, tok_dir, trajs, fresh_gin):
   data = tmp_path / "expert.jsonl"
   data.write_text("".join(json.dumps(t.to_json()) + "\n" for t in trajs * 2))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from asearcher_jax.apps.synth import (
   LocalEndpoint,
   SeedSource,
@@ -38,6 +40,7 @@ def _rows(path):
   return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow
 async def test_tiny_policy_as_all_roles_on_the_toy_world(tmp_path):
   model = presets.model_config(name="qwen2-tiny")
   async with (
@@ -87,6 +90,7 @@ async def test_tiny_policy_as_all_roles_on_the_toy_world(tmp_path):
   assert _rows(tmp_path / "questions.jsonl") == []
 
 
+@pytest.mark.slow
 def test_synth_command_on_hotpotqa_with_local_tiny_policy(tmp_path):
   out = tmp_path / "hotpot"
   code = synth(
