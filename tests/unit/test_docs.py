@@ -183,6 +183,25 @@ def test_the_checks_see_what_the_docs_name():
   assert not _selector_ok({"asearcher_jax.model.loading"}, "PolicyConfig", "no_such_field")
 
 
+def test_every_run_sh_job_the_docs_name_exists():
+  """`bash scripts/run.sh JOB`: JOB is one of the script's own jobs (`test`, `test-fast`) or a
+  subcommand it hands to `asearcher`."""
+  script = (ROOT / "scripts" / "run.sh").read_text()
+  own = {
+    label.strip()
+    for case in re.findall(r"^\s*([\w|\s-]+)\)\s*$", script, re.M)
+    for label in case.split("|")
+  } - {"*"}
+  named = {
+    (doc.name, job)
+    for doc in DOCS
+    for job in re.findall(r"bash scripts/run\.sh ([a-z][\w-]*)", doc.read_text())
+  }
+  assert {"test", "quickstart"} <= {job for _, job in named}, named
+  unknown = sorted((d, j) for d, j in named if j not in own and j not in main.SUBCOMMANDS)
+  assert not unknown, f"jobs scripts/run.sh does not have: {unknown}"
+
+
 @pytest.mark.parametrize("path", GIN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_gin_header_says_what_it_requires_and_how_to_run_it(path):
   header = []
