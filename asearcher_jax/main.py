@@ -42,6 +42,7 @@ SUBCOMMANDS: dict[str, str] = {
   "warm-start": "asearcher_jax.apps.warm_start:warm_start",
   "long-horizon": "asearcher_jax.apps.long_horizon:long_horizon",
   "inspect": "asearcher_jax.apps.inspect:inspect",
+  "audit": "asearcher_jax.apps.audit:audit",
   "export": "asearcher_jax.apps.export:export",
   "plan": "asearcher_jax.apps.plan:plan",
   "sweep": "asearcher_jax.apps.sweep:sweep",
@@ -284,6 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from asearcher_jax.apps import inspect
 
     return inspect.main(argv[1:])
+  if argv[:1] == ["audit"] and argv[1:2] and not argv[1].startswith("-"):
+    from asearcher_jax.apps import audit  # `asearcher audit RUN_DIR [--eta N]`: positional too
+
+    return audit.main(argv[1:])
   args = _parse_args(argv)
   if args.help:
     try:

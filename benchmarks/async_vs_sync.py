@@ -19,7 +19,7 @@ Workload (chosen to resemble ASearcher's training rollouts, scaled to a CPU):
             context); every sampled token is the engine's.
   agent     the real `AsearcherAgent` loop (act/read turns, stops, tool-result rendering, context
             policy) with a shortened prompt (~230 byte tokens instead of ~1.1k, so that learner
-            and prefill cost fit a CPU), steered by `testing.agent_workload.SteeringClient`: an
+            and prefill cost fit a CPU), steered by `harness.agent_workload.SteeringClient`: an
             episode makes K searches then answers (a random policy never writes the tags). One
             search = an act turn, the tool call, a read turn: an episode is 2K + 1 LLM calls.
   K         per episode, log-normal with median 3 and sigma 0.9, rounded and clipped to [1, 12]:
@@ -138,7 +138,10 @@ from asearcher_jax.serving.client import RemoteClientConfig, RemoteGenerationCli
 from asearcher_jax.serving.driver import KV_ON_UPDATE, Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.types import SamplingParams
-from asearcher_jax.testing.agent_workload import (
+from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.tools.cache import CacheConfig, ToolCache
+from asearcher_jax.tools.toolbox import ToolBox
+from harness.agent_workload import (
   BYTE_VOCAB,
   LatencySearch,
   LogNormal,
@@ -146,9 +149,6 @@ from asearcher_jax.testing.agent_workload import (
   SteeringClient,
   write_byte_tokenizer,
 )
-from asearcher_jax.tokenizer import Tokenizer
-from asearcher_jax.tools.cache import CacheConfig, ToolCache
-from asearcher_jax.tools.toolbox import ToolBox
 
 MAX_SEQ = 2048
 log = logging.getLogger(__name__)

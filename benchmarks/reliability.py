@@ -4,13 +4,13 @@ Runs with no arguments (about 15-20 minutes on 2 busy CPU cores; `--soak-minutes
 ... scale it, `--soak-steps 300` for the full soak). Parts, each on real processes or servers on
 127.0.0.1:
 
-  soak        `apps.soak`: asynchronous RL of a tiny byte-level policy with a weight update every
-              step, 10 % of tool requests broken by `testing.faults.FaultProxy` (429, 500,
+  soak        `harness.soak`: asynchronous RL of a tiny byte-level policy with a weight update
+              every step, 10 % of tool requests broken by `harness.faults.FaultProxy` (429, 500,
               timeouts, truncated / non-UTF-8 bodies, dropped connections), the retrieval server
               stopped and restarted once per life, two restarts of the run from its directory;
               bounded by --soak-minutes (fewer steps than --soak-steps may run: reported).
-  sigkill     `testing.crash_loop`: `asearcher train` SIGKILLed at random points --kills times
-              in one run directory, then run to the end; resumed episodes must replay every
+  sigkill     `harness.crash_loop`: `asearcher train` SIGKILLed at random points --kills
+              times in one run directory, then run to the end; resumed episodes must replay every
               recorded call from their journals.
   abuse       both HTTP servers (retrieval; serve-model's OpenAI API over a tiny engine):
               malformed requests derived from each endpoint's body, an oversized body, a
@@ -21,7 +21,7 @@ Runs with no arguments (about 15-20 minutes on 2 busy CPU cores; `--soak-minutes
 Prints one table (load held, faults injected / survived, bad inputs, hangs, work lost), then one
 JSON line. A fault counts as survived when its part ended with no hang and no lost or duplicated
 group (soak: tool faults, retrieval-server restarts and the two run restarts; sigkill: kills;
-checkpoint: a clear ENOSPC error and a loud fallback); bad inputs must all get a 4xx / 503. Lost and duplicated groups come from the run directories' files (`run_audit`), max
+checkpoint: a clear ENOSPC error and a loud fallback); bad inputs must all get a 4xx / 503. Lost and duplicated groups come from the run directories' files (`rl.audit`), max
 staleness from the trained tokens' versions.
 """
 
@@ -30,25 +30,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness/ at the repository root
+
 import jax.numpy as jnp
 from flax import nnx
 
-from asearcher_jax.apps.soak import SoakConfig, run_soak
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.errors import CheckpointError
 from asearcher_jax.model import transformer
 from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.rl.audit import audit_run
 from asearcher_jax.serving.driver import Driver
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
-from asearcher_jax.testing import abuse
-from asearcher_jax.testing.agent_workload import write_byte_tokenizer
-from asearcher_jax.testing.crash_loop import (
+from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.tools.retrieval.corpus import default_corpus_paths
+from asearcher_jax.tools.retrieval.index import build_index_dir, load_index
+from asearcher_jax.tools.retrieval.server import RetrievalServer, RetrievalServerConfig
+from harness import abuse
+from harness.agent_workload import write_byte_tokenizer
+from harness.crash_loop import (
   CrashLoopConfig,
   cpu_env,
   resume_evidence,
@@ -56,12 +63,8 @@ from asearcher_jax.testing.crash_loop import (
   train_command,
   write_gin,
 )
-from asearcher_jax.testing.faults import no_space_on_save
-from asearcher_jax.testing.run_audit import audit_run
-from asearcher_jax.tokenizer import Tokenizer
-from asearcher_jax.tools.retrieval.corpus import default_corpus_paths
-from asearcher_jax.tools.retrieval.index import build_index_dir, load_index
-from asearcher_jax.tools.retrieval.server import RetrievalServer, RetrievalServerConfig
+from harness.faults import no_space_on_save
+from harness.soak import SoakConfig, run_soak
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = "{:<16} {:<36} {:>8} {:>9} {:>7} {:>6} {:>5} {:>4}"

@@ -24,8 +24,8 @@ from asearcher_jax import main
 from asearcher_jax.apps.quickstart import QUICKSTART_WORLD
 from asearcher_jax.rl.replay import GROUPS_LOG, _read_records, decode_group
 from asearcher_jax.synthwiki.wiki import build_synthwiki
-from asearcher_jax.testing.agent_workload import write_byte_tokenizer
 from asearcher_jax.tokenizer import Tokenizer
+from harness.agent_workload import write_byte_tokenizer
 from tests.tools import fakes
 from tests.tools.conftest import LocalApp
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from asearcher_jax.testing.agent_workload import write_byte_tokenizer
+from harness.agent_workload import write_byte_tokenizer
 from tests.tools.conftest import shipped_index_dir  # noqa: F401
 
 BYTE_VOCAB = 260  # 256 bytes + 3 specials, rounded up

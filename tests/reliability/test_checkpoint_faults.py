@@ -16,8 +16,8 @@ import pytest
 
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.errors import CheckpointError
-from asearcher_jax.testing.faults import no_space_on_save
-from asearcher_jax.testing.run_audit import pending_on_disk, replay_logs
+from asearcher_jax.rl.audit import pending_on_disk, replay_logs
+from harness.faults import no_space_on_save
 from tests.rl.test_trainer_e2e import run_stub_trainer, stub_group, stub_trainer
 
 

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from asearcher_jax import http_guard
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
-from asearcher_jax.testing import abuse
-from asearcher_jax.testing.faults import LoopThread
 from asearcher_jax.tools.http_retry import CallStats
 from asearcher_jax.tools.retrieval.server import RetrievalServer, RetrievalServerConfig
 from asearcher_jax.tools.search import LocalRetrievalClient, LocalRetrievalConfig
+from harness import abuse
+from harness.faults import LoopThread
 from tests.serving.conftest import tokenizer  # noqa: F401
 from tests.serving.test_openai_api import driver  # noqa: F401
 from tests.tools.conftest import shipped_index  # noqa: F401

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from asearcher_jax.testing.crash_loop import (
+from asearcher_jax.rl.audit import audit_run
+from harness.crash_loop import (
   CrashLoopConfig,
   cpu_env,
   resume_evidence,
@@ -25,7 +26,6 @@ from asearcher_jax.testing.crash_loop import (
   train_command,
   write_gin,
 )
-from asearcher_jax.testing.run_audit import audit_run
 from tests.reliability.conftest import BYTE_VOCAB
 
 REPO = Path(__file__).resolve().parents[2]

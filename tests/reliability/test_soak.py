@@ -1,4 +1,4 @@
-"""A CI-sized soak (`apps.soak`): asynchronous RL with 10 % of tool requests broken by the fault
+"""A CI-sized soak (`harness.soak`): asynchronous RL with 10 % of tool requests broken by the fault
 proxy, a weight update every step, the retrieval server stopped and restarted once per life and
 two restarts of the whole run from its directory. The full-length soak (300 steps) is
 `benchmarks/reliability.py`.
@@ -17,7 +17,7 @@ import os
 import pytest
 
 from asearcher_jax import http_guard
-from asearcher_jax.apps.soak import SoakConfig, run_soak
+from harness.soak import SoakConfig, run_soak
 from tests.tools import fakes
 
 STEPS = int(os.environ.get("ASEARCHER_SOAK_STEPS", "6"))

@@ -51,7 +51,7 @@ from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.trainer import Trainer, TrainerConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
-from asearcher_jax.testing.agent_workload import write_byte_tokenizer
+from harness.agent_workload import write_byte_tokenizer
 from tests.tools.conftest import shipped_index_dir  # noqa: F401
 
 BYTE_VOCAB = 260  # 256 bytes + 3 specials, rounded up
@@ -230,7 +230,7 @@ def test_eta0_is_synchronous(tmp_path, byte_tok_dir):
 
 
 # A SIGKILL mid-run and the resume (no group lost, pushed twice or committed twice): shown ten
-# times over in one run directory by tests/reliability/test_sigkill_resume.py (`run_audit`).
+# times over in one run directory by tests/reliability/test_sigkill_resume.py (`rl.audit`).
 
 
 # --- the crash window between a checkpoint and its commit (fast, no engine) ---------------------

@@ -32,7 +32,8 @@ def _copy_package(dest: Path) -> Path:
     dest / "asearcher_jax",
     ignore=shutil.ignore_patterns("assets", "__pycache__"),
   )
-  shutil.copytree(ROOT / "launch", dest / "launch", ignore=shutil.ignore_patterns("__pycache__"))
+  for root in ("launch", "harness"):  # the other root packages .importlinter names
+    shutil.copytree(ROOT / root, dest / root, ignore=shutil.ignore_patterns("__pycache__"))
   shutil.copy(ROOT / ".importlinter", dest / ".importlinter")
   return dest
 
@@ -71,6 +72,7 @@ def test_the_package_keeps_its_layers():
     ("rl/episodes.py", "from asearcher_jax.views import runs", "Package layers"),
     ("plotting.py", "from asearcher_jax.evaluation import report", "Package layers"),
     ("apps/sweep.py", "import launch.cli", "The library never imports launch/"),
+    ("rl/audit.py", "from harness import faults", "The library never imports harness/"),
   ],
 )
 def test_a_forbidden_import_breaks_the_lint(tmp_path, module, forbidden, contract):

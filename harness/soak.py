@@ -2,13 +2,16 @@
 
 The real run (`apps.train.build_run`: in-process engine, rollout controller, replay queue,
 learner, a weight update every step, Orbax checkpoints) trains against the real BM25 retrieval
-server on 127.0.0.1 seen through a `testing.faults.FaultProxy` that breaks a set fraction of
+server on 127.0.0.1 seen through a `harness.faults.FaultProxy` that breaks a set fraction of
 tool requests (429, 500, timeouts, truncated and non-UTF-8 bodies, dropped connections). The run
 is closed and rebuilt from its directory `restarts` times, and the retrieval server is stopped
 and started again (on a new port) once per life. Afterwards the run directory alone is audited
-(`testing.run_audit`): no group lost or trained twice, no trained token older than eta.
+(`rl.audit`): no group lost or trained twice, no trained token older than eta.
 Operators' questions answered: does it hang after a few hundred steps, does memory grow, does
 staleness stay bounded across restarts.
+
+A project harness, not a user command (it steers a random policy and breaks its tools on
+purpose): `benchmarks/reliability.py` (the `soak` part) and tests/reliability/test_soak.py run it.
 """
 
 from __future__ import annotations
@@ -30,17 +33,17 @@ from asearcher_jax.apps.train_config import AgentChoice, LearnerConfig, TrainCon
 from asearcher_jax.data.qa import load_training_qa
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.steps import OptimizerConfig
+from asearcher_jax.rl.audit import audit_run
 from asearcher_jax.rl.rollout import RolloutConfig
 from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.driver import DriverConfig
 from asearcher_jax.serving.engine import EngineConfig
-from asearcher_jax.testing.agent_workload import LogNormal, SafeRng, SteeringClient
-from asearcher_jax.testing.faults import FaultConfig, FaultProxy, LoopThread
-from asearcher_jax.testing.run_audit import audit_run
 from asearcher_jax.tools.http_retry import RetryConfig
 from asearcher_jax.tools.retrieval.index import load_index
 from asearcher_jax.tools.retrieval.server import RetrievalServer, RetrievalServerConfig
 from asearcher_jax.tools.search import LocalRetrievalConfig
+from harness.agent_workload import LogNormal, SafeRng, SteeringClient
+from harness.faults import FaultConfig, FaultProxy, LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ class _Tools:
 
 
 def steer(run: commands.TrainRun, seed: int) -> None:
-  """Every episode makes two searches then answers (`testing.agent_workload.SteeringClient`;
+  """Every episode makes two searches then answers (`harness.agent_workload.SteeringClient`;
   every sampled token is still the engine's): a random policy alone never calls a tool, so the
   faults would never be met."""
   rng, out_len = SafeRng(seed), LogNormal(median=8, sigma=0.5, low=2, high=16)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 
 from asearcher_jax.serving.types import GenerationResult, SamplingParams
-from asearcher_jax.testing.agent_workload import (
+from asearcher_jax.tokenizer import Tokenizer
+from harness.agent_workload import (
   LogNormal,
   SafeRng,
   SteeringClient,
   write_byte_tokenizer,
 )
-from asearcher_jax.tokenizer import Tokenizer
 
 
 class _Echo:

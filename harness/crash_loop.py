@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
+from asearcher_jax.rl.audit import RESUME_LOG
 from asearcher_jax.rl.inflight import read_resume_log
 from asearcher_jax.rl.replay import logged_group_ids
 from asearcher_jax.rl.rollout import group_item_key
-from asearcher_jax.testing.run_audit import RESUME_LOG
 
 # A CPU-sized `asearcher train` over a byte tokenizer (cheap softmax), group size 2, B = 1,
 # the run's own retrieval server on the given index. Episodes of many short generate calls and
