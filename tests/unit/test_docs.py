@@ -40,7 +40,7 @@ README_COMMANDS = (
 
 # A path starts at a top-level entry of the repository, or inside the package as the design notes
 # write them (`serving/driver.py`); a trailing `::name` (a function in that file) is dropped.
-_TOP = "asearcher_jax|gin|tests|benchmarks|scripts|docs|launch|notebooks|apps|model|serving|rl|agent|tools|data|evaluation|synthwiki|synthesis|sft|testing"
+_TOP = "asearcher_jax|gin|tests|benchmarks|scripts|docs|launch|notebooks|harness|apps|model|serving|rl|agent|tools|data|evaluation|synthwiki|synthesis|sft|testing"
 PATH_RE = re.compile(
   rf"(?<![\w./-])((?:{_TOP})/[\w./{{}},*-]*[\w}}*/])(?:::\w+)?"
   r"|(?<![\w./-])((?:README|DATA_LICENSES)\.md|requirements(?:-nodeps)?\.txt|\.importlinter|pyproject\.toml)"
