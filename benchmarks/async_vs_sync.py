@@ -354,7 +354,7 @@ def warm_up(shared: Shared, w: Workload) -> dict[str, float]:
       "logprobs": np.zeros(MAX_SEQ - 8, np.float32), "versions": np.zeros(MAX_SEQ - 8, np.int32),
     }  # fmt: skip
     groups = [
-      Group(group_id=f"warm{rows}/{i}", trajectories=[[seq]], rewards=[float(i % 2)],
+      Group(group_id=f"warm{rows}/{i}", trajectories=[[seq]], advantages=[float(i % 2)],
             created_version=0)
       for i in range(n)
     ]  # fmt: skip
@@ -467,9 +467,9 @@ def run_mode(
   if server is not None:
     rollout.add_closer(gen_client.close)  # after every episode is cancelled
   if server is None:
-    weight_sync = InProcessWeightSync(shared.driver, staleness)
+    weight_sync = InProcessWeightSync(shared.driver)
   else:
-    weight_sync = DirectoryWeightPublisher(server.weights_dir, shared.graphdef, staleness)
+    weight_sync = DirectoryWeightPublisher(server.weights_dir, shared.graphdef)
   trainer = Trainer(
     config=TrainerConfig(
       train_steps=w.steps, batch_groups=w.batch_groups, checkpoint_every=0, batch_timeout_s=600

@@ -127,7 +127,7 @@ def main() -> dict:
         os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(wd.store_path(root) / latest["path"]) for f in fs
       ) / GB  # fmt: skip
 
-      sync = InProcessWeightSync(driver, None, WeightSyncConfig())
+      sync = InProcessWeightSync(driver, WeightSyncConfig())
       source = Source(params)
 
       def swap(i):

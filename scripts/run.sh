@@ -2,6 +2,7 @@
 # One entry point that sets up whatever is missing, then runs a job.
 #   bash scripts/run.sh demo        # the main job (until `quickstart` exists)
 #   bash scripts/run.sh test        # lint + the whole test suite (what CI runs)
+#   bash scripts/run.sh test-fast   # lint + every test not marked slow (< 5 min on 2 cores)
 #   bash scripts/run.sh <subcommand> [--gin_file ...] [--gin_param ...]
 # Needs only python3 (>= 3.11) on PATH. The virtual environment lives in .venv
 # and is (re)installed whenever requirements*.txt or pyproject.toml change.
@@ -28,7 +29,7 @@ fi
 cmd="${1:-demo}"
 shift || true
 case "$cmd" in
-  test)
+  test | test-fast)
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     "$VENV/bin/lint-imports"
@@ -39,8 +40,12 @@ case "$cmd" in
     # every test process and every process a test starts compiles the package and rewrites the
     # test modules' asserts again (collection 12 s -> 6 s a process; __pycache__ is ignored).
     unset PYTHONDONTWRITEBYTECODE
+    # test-fast leaves out the tests marked slow (each > ~10 s: end-to-end runs, processes,
+    # servers): the tier to run while editing; the whole suite before submitting.
+    tier=()
+    [[ "$cmd" == test-fast ]] && tier=(-m "not slow")
     exec "$VENV/bin/python" -m pytest -q -n "${ASEARCHER_TEST_WORKERS:-2}" --dist loadgroup \
-      --durations=15 "$@"
+      --durations=15 "${tier[@]}" "$@"
     ;;
   *)
     exec "$VENV/bin/asearcher" "$cmd" "$@"

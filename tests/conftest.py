@@ -60,9 +60,14 @@ TINY_RUN_TESTS = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects: the marks below count there
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-  """Slow end-to-end tests first (two xdist workers then finish together instead of one running
-  the longest test last)."""
+  """Every user of the session's `tiny_run` is slow (the CI-size quickstart it builds takes a
+  minute or more); slow end-to-end tests first (two xdist workers then finish together instead
+  of one running the longest test last)."""
+  for item in items:
+    if item.nodeid.startswith(TINY_RUN_TESTS):
+      item.add_marker(pytest.mark.slow)
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept
   strays = [
     item.nodeid for item in items

@@ -126,11 +126,9 @@ class TrainRun:
       self._close_rest()
 
   def _close_weights(self) -> None:
-    """The weight store's writer: the last version committed (a failed write raised here)."""
-    sync = self.remote if self.remote is not None else self.trainer.weight_sync
-    close = getattr(sync, "close_publisher", None) or getattr(sync, "close", None)
-    if close is not None:
-      close()
+    """The weight sync's end: the last version committed (a failed write raised here)."""
+    if self.trainer.weight_sync is not None:  # the remote engines' sync, when remote
+      self.trainer.weight_sync.close()
 
   def _close_rest(self) -> None:
     if self.rollout is not None:
@@ -198,7 +196,7 @@ def build_run(
       timeout_s=config.driver.request_timeout_s, retries=6, max_backoff_s=8.0
     )
     remote = RemoteEngines(
-      remote_cfg.address_files, remote_cfg.weights_dir, graphdef, staleness,
+      remote_cfg.address_files, remote_cfg.weights_dir, graphdef,
       client=client_cfg, sync=remote_cfg.sync,
     )  # fmt: skip
   replay = ReplayQueue(
@@ -251,7 +249,7 @@ def build_run(
     learner=learner,
     replay=replay,
     staleness=staleness,
-    weight_sync=InProcessWeightSync(drv, staleness) if remote is None else remote,
+    weight_sync=InProcessWeightSync(drv) if remote is None else remote,
     rollout=controller,
     checkpointer=ckpt,
     writer=writer,
@@ -272,9 +270,7 @@ def _follower_run(
   0's batches."""
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
   writer = MetricWriter(None)  # metrics are process 0's
-  publisher = DirectoryWeightPublisher(
-    config.remote.weights_dir, graphdef, staleness=None, config=config.remote.sync
-  )
+  publisher = DirectoryWeightPublisher(config.remote.weights_dir, graphdef, config.remote.sync)
   trainer = Trainer(
     config=_trainer_config(config), learner=learner, replay=None, staleness=None,
     weight_sync=publisher, checkpointer=ckpt, writer=writer,

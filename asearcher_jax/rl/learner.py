@@ -270,12 +270,13 @@ class Learner:
     return metrics
 
   def compute_advantages(self, groups: Sequence[Group]) -> list[np.ndarray]:
-    """Per group, per trajectory: transformed (and optionally group-normalised) rewards."""
+    """Per group, per trajectory: its group-centred advantage transformed (bias, scale, clip)
+    and optionally group-normalised."""
     c = self.ppo
     out = []
     for g in groups:
       r = adv_lib.transform_rewards(
-        g.rewards, bias=c.reward_bias, scale=c.reward_scale, clip=c.reward_clip
+        g.advantages, bias=c.reward_bias, scale=c.reward_scale, clip=c.reward_clip
       )
       if c.group_norm:
         r = adv_lib.group_normalize(r, np.zeros(len(r)), std=c.group_norm_std, eps=c.norm_eps)

@@ -7,9 +7,10 @@ each started with the same `weights_dir`. `RemoteEngines` is everything the trai
 them:
   * a client per server, handed to agents round-robin, one server per episode (every LLM call
     of an episode goes to the server holding its parked prefix);
-  * weight sync: each version is written to `weights_dir` (`DirectoryWeightPublisher`); the
-    servers' watchers load it between decode steps and stamp the tokens with the version they
-    actually ran, so staleness measured from token versions stays exact while they catch up;
+  * weight sync (`rl.weight_sync.WeightSync`: publish, flush, close): each version is written to
+    `weights_dir` (`DirectoryWeightPublisher`); the servers' watchers load it between decode
+    steps and stamp the tokens with the version they actually ran, so staleness measured from
+    token versions stays exact while they catch up;
   * `wait_loaded`: at start (fresh or resumed) every server must run the trainer's weights
     before the first episode, whatever init it was started from;
   * `stats()`: the fleet's engine figures (summed /health driver stats, slot occupancy over all
@@ -33,7 +34,6 @@ from typing import Any
 from flax import nnx
 
 from asearcher_jax.errors import AsearcherError
-from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.rl.weight_sync import DirectoryWeightPublisher, PolicySource, WeightSyncConfig
 from asearcher_jax.serving.client import RemoteClientConfig, RemoteGenerationClient, read_address
 from asearcher_jax.serving.weights_dir import read_latest
@@ -57,7 +57,6 @@ class RemoteEngines:
     address_files: Sequence[str | Path],
     weights_dir: str | Path,
     graphdef: nnx.GraphDef,
-    staleness: StalenessManager | None,
     *,
     client: RemoteClientConfig = RemoteClientConfig(),
     sync: WeightSyncConfig = WeightSyncConfig(),
@@ -67,7 +66,7 @@ class RemoteEngines:
       raise AsearcherError("engine_address_files is empty: name at least one serve-model server")
     self.address_files = [Path(a) for a in address_files]
     self.clients = [RemoteGenerationClient(address_file=a, config=client) for a in address_files]
-    self.publisher = DirectoryWeightPublisher(weights_dir, graphdef, staleness, sync)
+    self.publisher = DirectoryWeightPublisher(weights_dir, graphdef, sync)
     self.poll_s = poll_s
     self._next = itertools.cycle(range(len(self.clients)))
     self._lock = threading.Lock()
@@ -97,12 +96,15 @@ class RemoteEngines:
     return self.publisher.publish(learner)
 
   def flush(self, timeout: float | None = None) -> None:
-    """Waits for the versions published so far to be in the store (background writes)."""
+    """`WeightSync`: waits for the versions published so far to be in the store (background
+    writes); raises a failed write."""
     self.publisher.flush(timeout)
 
-  def close_publisher(self) -> None:
-    """Waits for the last write (at most the sync's timeout_s) and stops the writer thread."""
-    self.publisher.close()
+  def close(self, timeout: float | None = None) -> None:
+    """`WeightSync`: waits for the last write (at most the sync's timeout_s) and stops the
+    writer thread; a second call does nothing. The clients and the /health poller have their
+    own ends (`close_clients`, `stop`)."""
+    self.publisher.close(timeout)
 
   def wait_loaded(self, timeout_s: float) -> None:
     """Blocks until every server runs what the LATEST pointer names (same publish time), or

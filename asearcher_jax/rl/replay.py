@@ -92,8 +92,10 @@ class Group:
     group_id: unique id (e.g. "<item id>/<attempt>"); the unit of "used exactly once".
     trajectories: per trajectory, its training sequences (dicts or TrainingSequence with tokens,
       loss_mask, logprobs, versions).
-    rewards: per trajectory, the reward the learner transforms into advantages (by default the
-      group-centred score from `rl.reward.score_group`).
+    advantages: per trajectory, its group-centred score (`rl.scoring.score_group`), which the
+      learner transforms (bias, scale, clip, optional group normalisation) into the advantage of
+      each of its generated tokens. Stored as "advantages" (records written before the rename
+      say "rewards"; `decode_group` reads both).
     created_version: policy version when the group was admitted (orders batches oldest-first).
     created_at: wall time of admission (ties within a version).
     enqueued_at: wall time of `push` (set by the queue).
@@ -102,16 +104,16 @@ class Group:
 
   group_id: str
   trajectories: list[Sequences]
-  rewards: list[float]
+  advantages: list[float]
   created_version: int
   created_at: float = 0.0
   enqueued_at: float = 0.0
   metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if len(self.rewards) != len(self.trajectories):
+    if len(self.advantages) != len(self.trajectories):
       raise ValueError(
-        f"group {self.group_id}: {len(self.rewards)} rewards for "
+        f"group {self.group_id}: {len(self.advantages)} advantages for "
         f"{len(self.trajectories)} trajectories"
       )
 
@@ -120,18 +122,18 @@ class Group:
     cls,
     group_id: str,
     trajectories: Sequence[Trajectory],
-    rewards: Sequence[float],
+    advantages: Sequence[float],
     *,
     created_version: int,
     created_at: float,
     metadata: dict[str, Any] | None = None,
   ) -> Group:
     """A group from agent trajectories (their prefix-merged training sequences) and the
-    per-trajectory rewards the learner should see (e.g. `rl.reward.score_group`'s output)."""
+    per-trajectory advantages the learner should see (`rl.scoring.score_group`'s output)."""
     return cls(
       group_id=group_id,
       trajectories=[list(t.training_sequences()) for t in trajectories],
-      rewards=[float(r) for r in rewards],
+      advantages=[float(a) for a in advantages],
       created_version=created_version,
       created_at=created_at,
       metadata=dict(metadata or {}),
@@ -190,7 +192,7 @@ def encode_group(g: Group) -> bytes:
     {
       "group_id": g.group_id,
       "trajectories": [[_encode_seq(s) for s in t] for t in g.trajectories],
-      "rewards": [float(r) for r in g.rewards],
+      "advantages": [float(a) for a in g.advantages],
       "created_version": int(g.created_version),
       "created_at": float(g.created_at),
       "enqueued_at": float(g.enqueued_at),
@@ -202,6 +204,8 @@ def encode_group(g: Group) -> bytes:
 
 def decode_group(raw: bytes) -> Group:
   d = msgpack.unpackb(raw, raw=False)
+  if "rewards" in d:  # written before Group.rewards was named for what it holds
+    d["advantages"] = d.pop("rewards")
   d["trajectories"] = [[_decode_seq(s) for s in t] for t in d["trajectories"]]
   return Group(**d)
 

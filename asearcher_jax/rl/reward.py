@@ -98,13 +98,3 @@ def group_advantages(scores: Sequence[float | None]) -> list[float | None] | Non
     return None
   mean = float(kept.mean())
   return [None if s is None else float(s) - mean for s in scores]
-
-
-def score_group(
-  trajectories: Sequence[Trajectory], config: RewardConfig | None = None
-) -> list[float | None] | None:
-  """Rewards every trajectory (sets `.score`) and returns the group's advantages (or None)."""
-  rewards = [trajectory_reward(t, config) for t in trajectories]
-  for t, r in zip(trajectories, rewards):
-    t.score = r.score
-  return group_advantages([r.score for r in rewards])

@@ -59,8 +59,9 @@ class StalenessManager:
   """Counters (running, accepted, rejected) and the policy version, behind one small lock.
 
   Lifecycle of one group: `try_start()` (or `await astart()`) -> `on_accept()` | `on_reject()`.
-  The learner (or weight sync) calls `set_version(v)` after each published update; checkpoint
-  recovery calls `restore(version=v)`.
+  The version is not this manager's own: the trainer owns it (its learner's step advances it)
+  and tells it here, with `set_version(v)` once the weight sync has published v and with
+  `restore(version=v)` after a checkpoint; every change goes through `_move_version_locked`.
   """
 
   def __init__(self, config: StalenessConfig, *, version: int = 0) -> None:
@@ -139,8 +140,13 @@ class StalenessManager:
     with self._lock:
       if version < self._version:
         raise ValueError(f"version went backwards: {self._version} -> {version}")
-      self._version = version
+      self._move_version_locked(version)
       self._notify_locked()
+
+  def _move_version_locked(self, version: int) -> None:
+    """The one place the version changes (lock held): a published update, or a restore (which
+    may move it back)."""
+    self._version = int(version)
 
   def restore(self, *, version: int, queued: int = 0) -> None:
     """After restoring a checkpoint at `version`: accepted = version * B (+ `queued`), nothing
@@ -151,7 +157,7 @@ class StalenessManager:
     if queued < 0:
       raise ValueError(f"queued must be >= 0, got {queued}")
     with self._lock:
-      self._version = version
+      self._move_version_locked(version)
       self._accepted = version * self.config.batch_groups + queued
       self._running = 0
       self._notify_locked()
@@ -237,7 +243,7 @@ class StalenessManager:
         f"{self.config.batch_groups}: the accepted counter would mean something else"
       )
     with self._lock:
-      self._version = int(state["version"])
+      self._move_version_locked(int(state["version"]))
       self._accepted = int(state["accepted"])
       self._rejected = int(state["rejected"])
       self._running = 0

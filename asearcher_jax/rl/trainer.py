@@ -4,8 +4,11 @@ and for the weight push (DESIGN.md "Data flow").
 
 One step, in named phases:
   wait_batch   take B groups (oldest first) from the replay queue; the wait is trainer idle time;
-  train        `learner.train_step(groups)`: prox logprobs, advantages, PPO update(s); version+1;
-  sync         push the new weights to the engine(s), then `staleness.set_version`;
+  train        `learner.train_step(groups)`: prox logprobs, advantages, PPO update(s); version+1
+               (the one place the policy version advances);
+  sync         push the new weights to the engine(s) (`WeightSync.publish`), then tell the
+               staleness manager the new version (`staleness.set_version`, here and nowhere else,
+               so the admission rule never runs ahead of the weights the samplers have);
   checkpoint   params + optimizer, version, data cursor, staleness counters, the journals of
                the episodes in flight and the ids of the groups trained but not committed;
                Orbax writes it in the background while the next steps run, and the ids are
@@ -260,9 +263,8 @@ class Trainer:
   def flush_weights(self) -> None:
     """Waits for a weight sync that writes in the background (`WeightSyncConfig.background`)
     to commit the last version, so a finished run leaves its newest policy published."""
-    flush = getattr(self.weight_sync, "flush", None)
-    if flush is not None:
-      flush()
+    if self.weight_sync is not None:
+      self.weight_sync.flush()
 
   def _final_checkpoint(self) -> None:
     """A checkpoint of the last step when the time budget ends the run between checkpoints."""
@@ -359,17 +361,24 @@ class Trainer:
     return metrics
 
   def publish(self) -> dict[str, float]:
-    """Publishes the learner's version to the samplers; every process calls it. Several
-    processes: each process's weight sync writes its own shards, or with `gather_weights` the
-    parameters are gathered to host memory (a collective) and the lead's sync writes them."""
+    """Publishes the learner's version to the samplers, then tells the staleness manager (the
+    lead's) that version; every process calls it. The sync returns once the samplers run the
+    version or (a background write) once they will stamp tokens with what they run, so no
+    group is admitted against weights no sampler has. Several processes: each process's weight
+    sync writes its own shards, or with `gather_weights` the parameters are gathered to host
+    memory (a collective) and the lead's sync writes them."""
     if not self.multi or not self.config.gather_weights:
-      return self.weight_sync.publish(self.learner)
-    t0 = time.perf_counter()
-    host = distributed.gather_to_host(self.learner.params_copy())
-    gathered = {"weight_sync/gather_s": time.perf_counter() - t0}
-    if not self.lead:
-      return gathered
-    return {**gathered, **self.weight_sync.publish(HostPolicy(host, self.learner.version))}
+      metrics = self.weight_sync.publish(self.learner)
+    else:
+      t0 = time.perf_counter()
+      host = distributed.gather_to_host(self.learner.params_copy())
+      metrics = {"weight_sync/gather_s": time.perf_counter() - t0}
+      if not self.lead:
+        return metrics
+      metrics.update(self.weight_sync.publish(HostPolicy(host, self.learner.version)))
+    if self.staleness is not None:
+      self.staleness.set_version(self.learner.version)
+    return metrics
 
   def _checkpoint(self) -> dict[str, float]:
     every, version = self.config.checkpoint_every, self.learner.version

@@ -1,5 +1,12 @@
-"""Weight sync: the learner's new policy version reaches the samplers, and the version number
-reaches the staleness manager.
+"""Weight sync: the learner's new policy version reaches the samplers.
+
+A sync only moves weights: the trainer owns the version (the learner's step advances it) and,
+once `publish` has returned, tells the staleness manager (`rl.trainer.Trainer.publish`), so the
+version the admission rule uses changes in one place. `publish` returns once the samplers run the
+version (in process) or once the write is handed over (the store, background): either way every
+sampler stamps its tokens with the version it actually runs, so staleness measured from token
+versions stays exact. `flush` waits for the last version to be committed and raises a failed
+write; `close` ends the sync (the `WeightSync` protocol; every implementation has both).
 
 In-process (`InProcessWeightSync`): the learner's params go straight to the Driver as device
 arrays (no host round trip). The learner donates its train state every optimizer step, so the
@@ -32,14 +39,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 
-from asearcher_jax.rl.staleness import StalenessManager
 from asearcher_jax.serving.weights_dir import (
   ParamsSink,
   StorePath,
@@ -59,9 +65,24 @@ class PolicySource(Protocol):
   def params_copy(self) -> nnx.State: ...
 
 
+@runtime_checkable
 class WeightSync(Protocol):
+  """How a new policy version reaches the samplers: `InProcessWeightSync`,
+  `DirectoryWeightPublisher`, `rl.remote.RemoteEngines` (and test doubles)."""
+
   def publish(self, learner: PolicySource) -> dict[str, float]:
-    """Publishes the learner's current params as `learner.version`; returns timing metrics."""
+    """Publishes the learner's current params as `learner.version`; returns timing metrics.
+    Raises a write that failed since the last call; after `close` it is an error."""
+    ...
+
+  def flush(self, timeout: float | None = None) -> None:
+    """Waits until the last published version is committed (what every sampler will load);
+    raises a failed write, or TimeoutError after `timeout` (default the sync's own) seconds."""
+    ...
+
+  def close(self, timeout: float | None = None) -> None:
+    """`flush`, then releases what the sync holds (a writer thread); a second call does
+    nothing."""
     ...
 
 
@@ -100,36 +121,40 @@ class WeightSyncConfig:
 
 
 class InProcessWeightSync:
-  """Learner -> Driver in one process, then `staleness.set_version`.
+  """Learner -> Driver in one process.
 
-  The version is set only after the driver has swapped (update_params blocks until the swap and
-  the re-prefill are done), so no group is admitted against a version the engine does not run.
+  `publish` returns only after the driver has swapped (update_params blocks until the swap and
+  the re-prefill are done, and raises if they failed), so the trainer, which tells the staleness
+  manager after it, never admits a group against a version the engine does not run; there is
+  never a write in flight, so `flush` has nothing to wait for.
   """
 
-  def __init__(
-    self,
-    sink: ParamsSink,
-    staleness: StalenessManager | None,
-    config: WeightSyncConfig = WeightSyncConfig(),
-  ) -> None:
+  def __init__(self, sink: ParamsSink, config: WeightSyncConfig = WeightSyncConfig()) -> None:
     self.sink = sink
-    self.staleness = staleness
     self.config = config
     self.updates = 0
+    self._closed = False
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
+    if self._closed:
+      raise RuntimeError("in-process weight sync is closed")
     t0 = time.perf_counter()
     params = learner.params_copy()  # device copy: the learner donates its own buffers
     t1 = time.perf_counter()
     engine_ms = self.sink.update_params(params, learner.version, timeout=self.config.timeout_s)
-    if self.staleness is not None:
-      self.staleness.set_version(learner.version)
     self.updates += 1
     return {
       "weight_sync/copy_s": t1 - t0,
       "weight_sync/engine_update_ms": float(engine_ms),
       "weight_sync/total_s": time.perf_counter() - t0,
     }
+
+  def flush(self, timeout: float | None = None) -> None:
+    """Nothing to wait for: `publish` returned once the engine ran the version."""
+
+  def close(self, timeout: float | None = None) -> None:
+    """Publishing after it is an error (the engine is being torn down)."""
+    self._closed = True
 
 
 class DirectoryWeightPublisher:
@@ -143,13 +168,11 @@ class DirectoryWeightPublisher:
     self,
     root: StorePath,
     graphdef: nnx.GraphDef,
-    staleness: StalenessManager | None = None,
     config: WeightSyncConfig = WeightSyncConfig(),
   ) -> None:
     self.root = store_path(root)
     self.root.mkdir(parents=True, exist_ok=True)
     self.graphdef = graphdef
-    self.staleness = staleness
     self.config = config
     self.written: list[int] = []  # versions committed to the store, in order
     self.superseded: list[int] = []  # versions replaced before their write started
@@ -162,6 +185,9 @@ class DirectoryWeightPublisher:
     self._thread: threading.Thread | None = None
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
+    with self._cond:
+      if self._closed:
+        raise RuntimeError(f"weight publisher for {self.root} is closed")
     # Under jax.distributed (even one process, as `launch --backend local` starts it) Orbax
     # coordinates every save through the distributed service; a save from a second thread beside
     # the checkpoint's deadlocked there until its 5-minute timeout. So: in the call.
@@ -185,10 +211,9 @@ class DirectoryWeightPublisher:
       self._pending = (params, learner.version)
       self._cond.notify_all()
       last = dict(self._last)
-    if self.staleness is not None:
-      # The learner's version, at once: servers stamp tokens with the version they actually
-      # run, so staleness measured from token versions stays exact while the write completes.
-      self.staleness.set_version(learner.version)
+    # The trainer tells the staleness manager the learner's version at once: servers stamp
+    # tokens with the version they actually run, so staleness measured from token versions
+    # stays exact while the write completes.
     return {
       **last, "weight_sync/charged_s": time.perf_counter() - t0,
       "weight_sync/superseded": float(len(self.superseded)),
@@ -204,7 +229,11 @@ class DirectoryWeightPublisher:
     self._raise_error()
 
   def close(self, timeout: float | None = None) -> None:
-    """`flush`, then stops the writer thread; publishing after it is an error."""
+    """`flush`, then stops the writer thread; publishing after it is an error. A second call
+    does nothing (a write the first one raised is not raised again)."""
+    with self._cond:
+      if self._closed:
+        return
     try:
       self.flush(timeout)
     finally:
@@ -232,10 +261,6 @@ class DirectoryWeightPublisher:
     path = self.write(params, learner.version)
     total = time.perf_counter() - t0
     self.written.append(learner.version)
-    if self.staleness is not None:
-      # Servers stamp tokens with the version they actually run, so staleness measured from
-      # token versions stays exact while they catch up.
-      self.staleness.set_version(learner.version)
     figures = self._figures(params, total, learner.version, path)
     return {**figures, "weight_sync/charged_s": total}
 

@@ -1,18 +1,21 @@
-"""How requests get into the driver's slots: admission from the queue, prefills (whole, in
+"""How requests get into the engine's slots: admission from the queue, prefills (whole, in
 batches, in pieces) and suffix prefills into parked slots, and the re-prefill of a weight update.
 
-A mixin of `Driver` (driver.py), split off along that seam: everything here runs on the engine
-thread and works on the driver's slot table, decode state and metrics; the loop, the request API,
-decode calls and weight swaps stay in driver.py.
+`Admission` is an object the driver (driver.py) owns and calls from its engine thread. What the
+two share is written down here rather than borrowed: the `SlotTable` (the decode state and who
+holds each slot), the driver's counters, and `AdmissionHooks`, the four driver operations
+admission calls back (take queued requests, record a token, finish a request, fail every slot).
+It was a mixin of `Driver` reading ten of its private attributes, and the two modules imported
+each other.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
-import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
@@ -20,10 +23,7 @@ from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine import Engine
 from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.request import Request
-from asearcher_jax.serving.types import EngineError
-
-if TYPE_CHECKING:
-  from asearcher_jax.serving.driver import DriverConfig
+from asearcher_jax.serving.types import EngineError, StopReason
 
 log = logging.getLogger("asearcher_jax.serving.driver")
 
@@ -32,73 +32,112 @@ log = logging.getLogger("asearcher_jax.serving.driver")
 PREFILL_CHUNKS = (8, 4, 2, 1)
 
 
+@dataclasses.dataclass(eq=False)
+class SlotTable:
+  """The engine's slots as the engine thread sees them, shared by the driver (decode calls,
+  weight updates, failures) and admission (prefills). A slot is live (a request in `slots`),
+  parked (its tokens in `prefixes`, for reuse), being prefilled piece by piece (`prefilling`) or
+  free; engine thread only."""
+
+  state: steps.DecodeState  # the engine's decode state: every slot's keys/values and position
+  slots: list[Request | None]  # the request decoding in each slot, or None
+  prefixes: PrefixCache  # parked slots and the tokens their keys/values hold
+  # Slots being prefilled piece by piece (DriverConfig.prefill_chunk): slot -> (request, done).
+  prefilling: dict[int, tuple[Request, int]] = dataclasses.field(default_factory=dict)
+
+  def free(self) -> list[int]:
+    """Slots that hold neither a request, a parked prefix nor a prompt being prefilled."""
+    return [
+      i
+      for i, r in enumerate(self.slots)
+      if r is None and i not in self.prefixes and i not in self.prefilling
+    ]
+
+  def start(self, slot: int, req: Request) -> None:
+    """Makes `req` the live request of `slot`: the next decode call advances it."""
+    req.slot = slot
+    self.slots[slot] = req
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdmissionHooks:
+  """The driver's operations admission calls (on the engine thread)."""
+
+  # Pops up to n requests off the driver's queue, oldest first.
+  take: Callable[[int], list[Request]]
+  # Records one sampled token (request, token, logprob, version, top alternatives or None);
+  # returns why the request stops now, or None.
+  record: Callable[[Request, int, float, int, tuple | None], StopReason | None]
+  # Resolves a request, with its stop reason or `error=`; it leaves the driver's bookkeeping.
+  finish: Callable[..., None]
+  # Fails every request holding a slot with the error (after an engine failure).
+  fail_active: Callable[[Exception], None]
+
+
 class Admission:
-  """The admission half of `Driver`: the attributes below are the driver's (driver.py), as are
-  `_append`, `_finish` and `_fail_active`, which the methods here call."""
+  """Fills the engine's free and parked slots from the driver's queue; engine thread only."""
 
-  engine: Engine
-  cfg: DriverConfig
-  metrics: collections.Counter
-  _lock: threading.Lock
-  _queue: collections.deque[Request]
-  _slots: list[Request | None]
-  _prefixes: PrefixCache
-  _prefilling: dict[int, tuple[Request, int]]
-  _state: steps.DecodeState
-  _params: steps.VersionedParams
+  def __init__(
+    self,
+    engine: Engine,
+    table: SlotTable,
+    metrics: collections.Counter,
+    hooks: AdmissionHooks,
+    *,
+    max_admit: int,
+    prefill_chunk: int,
+    continue_in_decode: bool,
+  ):
+    self.engine = engine
+    self.table = table
+    self.metrics = metrics  # the driver's counters (`Driver.stats`)
+    self.hooks = hooks
+    self.max_admit = max_admit  # DriverConfig.max_admit_per_step
+    self.prefill_chunk = prefill_chunk  # DriverConfig.prefill_chunk
+    self.continue_in_decode = continue_in_decode  # DriverConfig.continue_in_decode
 
-  def _admit(self) -> int:
+  def admit(self, params: steps.VersionedParams) -> int:
     """Fills free slots from the queue. A request whose prompt extends a parked slot's sequence
     goes into that slot with a suffix prefill; the rest, grouped by prefill bucket, are prefilled
     together in chunks of 8/4/2/1 (a handful of compiled shapes) and inserted into free slots,
     then into reclaimed parked slots (least recently parked first). A prompt longer than
-    `prefill_chunk` (when set) only takes its slot here; `_prefill_piece` fills it."""
-    free = self._free_slots()
-    with self._lock:
-      n = min(len(free) + len(self._prefixes), self.cfg.max_admit_per_step, len(self._queue))
-      taken = [self._queue.popleft() for _ in range(n)]
+    `prefill_chunk` (when set) only takes its slot here; `prefill_piece` fills it."""
+    free = self.table.free()
+    taken = self.hooks.take(min(len(free) + len(self.table.prefixes), self.max_admit))
     fresh: list[Request] = []
     reuse: list[tuple[Request, int, list[int]]] = []
     for req in taken:
-      hit = self._prefixes.take(req.prompt)
+      hit = self.table.prefixes.take(req.prompt)
       if hit is None:
         fresh.append(req)
       else:
         reuse.append((req, *hit))
-    self._admit_reuses(reuse)
-    free = self._free_slots()
+    self._admit_reuses(params, reuse)
+    free = self.table.free()
     while len(free) < len(fresh):  # reclaim: the parked slot's prefix is forgotten
-      free.append(self._prefixes.evict())
+      free.append(self.table.prefixes.evict())
       self.metrics["prefix_evictions"] += 1
     by_bucket: dict[int, list[Request]] = collections.defaultdict(list)
     for req in fresh:
-      if self.cfg.prefill_chunk and len(req.prompt) > self.cfg.prefill_chunk:
-        self._prefilling[free.pop(0)] = (req, 0)  # prefilled piece by piece, from the loop
+      if self.prefill_chunk and len(req.prompt) > self.prefill_chunk:
+        self.table.prefilling[free.pop(0)] = (req, 0)  # prefilled piece by piece, from the loop
         continue
       by_bucket[self.engine.bucket_for(len(req.prompt))].append(req)
     for reqs in by_bucket.values():
       while reqs:
         size = next(c for c in PREFILL_CHUNKS if c <= len(reqs))
         chunk, reqs = reqs[:size], reqs[size:]
-        self._admit_chunk(chunk, [free.pop(0) for _ in chunk])
+        self._admit_chunk(params, chunk, [free.pop(0) for _ in chunk])
     return len(taken)
 
-  def _free_slots(self) -> list[int]:
-    """Slots that hold neither a request, a parked prefix nor a prompt being prefilled."""
-    return [
-      i
-      for i, r in enumerate(self._slots)
-      if r is None and i not in self._prefixes and i not in self._prefilling
-    ]
-
-  def _prefill_piece(self) -> bool:
+  def prefill_piece(self, params: steps.VersionedParams) -> bool:
     """Prefills the next piece of the oldest prompt being prefilled in pieces (prefill_chunk);
     the last piece samples its first token and the request starts decoding. Returns whether a
     piece ran. Pieces before the last leave the slot inactive, so no decode call advances it."""
-    if not self._prefilling:
+    if not self.table.prefilling:
       return False
-    slot, (req, done) = next(iter(self._prefilling.items()))
-    chunk, n = self.cfg.prefill_chunk, len(req.prompt)
+    slot, (req, done) = next(iter(self.table.prefilling.items()))
+    chunk, n = self.prefill_chunk, len(req.prompt)
     last = n - done <= chunk
     if last:  # the remainder, in the smallest bucket that holds it (extend_plan may move back)
       start, bucket, window = self.engine.extend_plan(done, n)
@@ -107,56 +146,57 @@ class Admission:
     end = n if last else start + chunk
     t0 = time.perf_counter()
     try:
-      self._state, tok, lp, version, top = self.engine.extend_slot(
-        self._params, self._state, slot, req.prompt[start:end], start, sampling=req.sampling,
+      self.table.state, tok, lp, version, top = self.engine.extend_slot(
+        params, self.table.state, slot, req.prompt[start:end], start, sampling=req.sampling,
         seed=req.seed, bucket=bucket, window=window,
       )  # fmt: skip
       if not last:
-        self._state = self.engine.release(self._state, slot)
+        self.table.state = self.engine.release(self.table.state, slot)
       else:
         first, logprob, version = int(tok), float(lp), int(version)
         top = tuple(map(np.asarray, top))
     except Exception as e:
       log.exception("prefill piece failed for %s", req.id)
       self.metrics["engine_errors"] += 1
-      self._state = self.engine.init_decode_state()  # the old one may have been donated
-      del self._prefilling[slot]
-      self._fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))
-      self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+      self.table.state = self.engine.init_decode_state()  # the old one may have been donated
+      del self.table.prefilling[slot]
+      self.hooks.fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+      self.hooks.finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return True
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["prefill_pieces"] += 1
     self.metrics["prefill_tokens"] += end - start
     if not last:
-      self._prefilling[slot] = (req, end)
+      self.table.prefilling[slot] = (req, end)
       return True
-    del self._prefilling[slot]
-    reason = self._append(req, first, logprob, version, top)
+    del self.table.prefilling[slot]
+    reason = self.hooks.record(req, first, logprob, version, top)
     if reason is not None:
-      self._park(slot, req)
-      self._finish(req, reason)
+      self.park(slot, req)
+      self.hooks.finish(req, reason)
       return True
-    req.slot = slot
-    self._slots[slot] = req
+    self.table.start(slot, req)
     return True
 
-  def _park(self, slot: int, req: Request) -> None:
+  def park(self, slot: int, req: Request) -> None:
     """Keeps a slot whose request just left it (finished or aborted) for prefix reuse. Its cache
     holds prompt + tokens[:-1]: the last token was sampled but never fed (a step dispatched
     ahead may have fed it, but that is not relied upon). A continuation that leaves before its
     first token (`_admit_continuation`) holds prompt[:-1]: its last prompt token was not fed."""
-    if not self._prefixes.enabled:
+    if not self.table.prefixes.enabled:
       return
-    self._state = self.engine.release(self._state, slot)
-    self._prefixes.park(slot, req.prompt + req.tokens[:-1] if req.tokens else req.prompt[:-1])
+    self.table.state = self.engine.release(self.table.state, slot)
+    self.table.prefixes.park(slot, req.prompt + req.tokens[:-1] if req.tokens else req.prompt[:-1])
 
-  def _admit_reuses(self, hits: list[tuple[Request, int, list[int]]]) -> None:
+  def _admit_reuses(
+    self, params: steps.VersionedParams, hits: list[tuple[Request, int, list[int]]]
+  ) -> None:
     """Admits requests into the parked slots that hold their prefixes: suffix prefills grouped
     by suffix bucket, in chunks of `EngineConfig.suffix_chunks` (one call per chunk, attending
     over the chunk's largest window)."""
     by_bucket: dict[int, list[tuple[Request, int, int, int]]] = collections.defaultdict(list)
     for req, slot, cached in hits:
-      if self.cfg.continue_in_decode and len(req.prompt) == len(cached) + 1:
+      if self.continue_in_decode and len(req.prompt) == len(cached) + 1:
         self._admit_continuation(req, slot)
         continue
       start, bucket, window = self.engine.extend_plan(len(cached), len(req.prompt))
@@ -165,45 +205,46 @@ class Admission:
       while group:
         size = next(c for c in self.engine.cfg.suffix_chunks if c <= len(group))
         chunk, group = group[:size], group[size:]
-        self._admit_reuse_chunk(chunk, bucket)
+        self._admit_reuse_chunk(params, chunk, bucket)
 
   def _admit_continuation(self, req: Request, slot: int) -> None:
     """Admits a turn whose one new token is the one its slot's last call sampled: the slot goes
     live with that token to feed, and the next decode step samples the turn's first token."""
     t0 = time.perf_counter()
     try:
-      self._state = self.engine.activate_slot(
-        self._state, slot, req.prompt[-1], len(req.prompt) - 1, sampling=req.sampling,
+      self.table.state = self.engine.activate_slot(
+        self.table.state, slot, req.prompt[-1], len(req.prompt) - 1, sampling=req.sampling,
         seed=req.seed,
       )  # fmt: skip
     except Exception as e:
       log.exception("activation failed for %s", req.id)
       self.metrics["engine_errors"] += 1
-      self._state = self.engine.init_decode_state()  # the old one may have been donated
-      self._fail_active(EngineError(f"activation failed: {type(e).__name__}: {e}"))
-      self._finish(req, error=EngineError(f"activation failed: {type(e).__name__}: {e}"))
+      self.table.state = self.engine.init_decode_state()  # the old one may have been donated
+      self.hooks.fail_active(EngineError(f"activation failed: {type(e).__name__}: {e}"))
+      self.hooks.finish(req, error=EngineError(f"activation failed: {type(e).__name__}: {e}"))
       return
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["prefix_hits"] += 1
     self.metrics["prefix_tokens_reused"] += len(req.prompt) - 1
     self.metrics["decode_continuations"] += 1
-    req.slot = slot
-    self._slots[slot] = req
+    self.table.start(slot, req)
 
-  def _admit_reuse_chunk(self, chunk: list[tuple[Request, int, int, int]], bucket: int) -> None:
+  def _admit_reuse_chunk(
+    self, params: steps.VersionedParams, chunk: list[tuple[Request, int, int, int]], bucket: int
+  ) -> None:
     t0 = time.perf_counter()
     reqs = [c[0] for c in chunk]
     window = max(c[3] for c in chunk)
     try:
       if len(chunk) == 1:
         req, slot, start, _ = chunk[0]
-        self._state, *out = self.engine.extend_slot(
-          self._params, self._state, slot, req.prompt[start:], start, sampling=req.sampling,
+        self.table.state, *out = self.engine.extend_slot(
+          params, self.table.state, slot, req.prompt[start:], start, sampling=req.sampling,
           seed=req.seed, bucket=bucket, window=window,
         )  # fmt: skip
       else:
-        self._state, *out = self.engine.extend_slots(
-          self._params, self._state, [c[1] for c in chunk],
+        self.table.state, *out = self.engine.extend_slots(
+          params, self.table.state, [c[1] for c in chunk],
           [r.prompt[c[2] :] for r, c in zip(reqs, chunk, strict=True)], [c[2] for c in chunk],
           samplings=[r.sampling for r in reqs], seeds=[r.seed for r in reqs], bucket=bucket,
           window=window,
@@ -214,10 +255,12 @@ class Admission:
     except Exception as e:
       log.exception("suffix prefill failed for %s", [r.id for r in reqs])
       self.metrics["engine_errors"] += 1
-      self._state = self.engine.init_decode_state()  # the old one may have been donated
-      self._fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))  # clears parked
+      self.table.state = self.engine.init_decode_state()  # the old one may have been donated
+      self.hooks.fail_active(
+        EngineError(f"prefill failed: {type(e).__name__}: {e}")
+      )  # clears parked
       for req in reqs:
-        self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+        self.hooks.finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["suffix_prefill_s"] += time.perf_counter() - t0
@@ -227,19 +270,22 @@ class Admission:
       self.metrics["prefix_hits"] += 1
       self.metrics["prefix_tokens_reused"] += start
       self.metrics["prefill_tokens"] += len(req.prompt) - start
-      reason = self._append(req, int(first[i]), float(logprobs[i]), version, (top[0][i], top[1][i]))
+      reason = self.hooks.record(
+        req, int(first[i]), float(logprobs[i]), version, (top[0][i], top[1][i])
+      )
       if reason is not None:
-        self._park(slot, req)
-        self._finish(req, reason)
+        self.park(slot, req)
+        self.hooks.finish(req, reason)
         continue
-      req.slot = slot
-      self._slots[slot] = req
+      self.table.start(slot, req)
 
-  def _admit_chunk(self, chunk: list[Request], slots: list[int]) -> None:
+  def _admit_chunk(
+    self, params: steps.VersionedParams, chunk: list[Request], slots: list[int]
+  ) -> None:
     t0 = time.perf_counter()
     try:
       prefixes = self.engine.prefill_many(
-        params=self._params,
+        params=params,
         prompts=[r.prompt for r in chunk],
         samplings=[r.sampling for r in chunk],
         seeds=[r.seed for r in chunk],
@@ -248,40 +294,39 @@ class Admission:
       logprobs = np.asarray(prefixes.next_logprob)
       versions = np.asarray(prefixes.version)
       tops = np.asarray(prefixes.top_ids), np.asarray(prefixes.top_logprobs)
-      self._state = self.engine.insert_many(prefixes, self._state, slots)
+      self.table.state = self.engine.insert_many(prefixes, self.table.state, slots)
     except Exception as e:
       log.exception("prefill failed for %s", [r.id for r in chunk])
       self.metrics["engine_errors"] += 1
       for req in chunk:
-        self._finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+        self.hooks.finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["prefill_calls"] += 1
     self.metrics["prefill_tokens"] += sum(len(r.prompt) for r in chunk)
     for i, (req, slot) in enumerate(zip(chunk, slots, strict=True)):
       top = tops[0][i], tops[1][i]
-      reason = self._append(req, int(first[i]), float(logprobs[i]), int(versions[i]), top)
+      reason = self.hooks.record(req, int(first[i]), float(logprobs[i]), int(versions[i]), top)
       if reason is not None:
-        self._park(slot, req)
-        self._finish(req, reason)  # finished on its first token: its slot stays free
+        self.park(slot, req)
+        self.hooks.finish(req, reason)  # finished on its first token: its slot stays free
         continue
-      req.slot = slot
-      self._slots[slot] = req
+      self.table.start(slot, req)
 
-  def _reprefill(self, slot: int, req: Request) -> None:
+  def reprefill(self, params: steps.VersionedParams, slot: int, req: Request) -> None:
     """Rebuilds a slot's cache under the current weights: prompt + all generated tokens but the
     last, which was sampled already and is fed by the next step."""
     ctx = req.prompt + req.tokens[:-1]
     padded, n = self.engine.pad(ctx)
     prefix = self.engine.prefill(
-      params=self._params, padded_tokens=padded, true_length=n, sampling=req.sampling, seed=req.seed
+      params=params, padded_tokens=padded, true_length=n, sampling=req.sampling, seed=req.seed
     )
     prefix = prefix.replace(next_token=np.int32(req.tokens[-1]))
-    self._state = self.engine.insert(prefix, self._state, slot)
+    self.table.state = self.engine.insert(prefix, self.table.state, slot)
     self.metrics["reprefill_tokens"] += n
 
-  def _reprefill_many(self, live: list[tuple[int, Request]]) -> None:
-    """`_reprefill` for every in-flight slot, grouped by prefill bucket, 8/4/2/1 per call."""
+  def reprefill_many(self, params: steps.VersionedParams, live: list[tuple[int, Request]]) -> None:
+    """`reprefill` for every in-flight slot, grouped by prefill bucket, 8/4/2/1 per call."""
     by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
     for slot, req in live:
       by_bucket[self.engine.bucket_for(len(req.prompt) + len(req.tokens) - 1)].append((slot, req))
@@ -291,9 +336,11 @@ class Admission:
         chunk, group = group[:size], group[size:]
         reqs = [r for _, r in chunk]
         prefixes = self.engine.prefill_many(
-          params=self._params, prompts=[r.prompt + r.tokens[:-1] for r in reqs],
+          params=params, prompts=[r.prompt + r.tokens[:-1] for r in reqs],
           samplings=[r.sampling for r in reqs], seeds=[r.seed for r in reqs],
         )  # fmt: skip
         prefixes = prefixes.replace(next_token=np.asarray([r.tokens[-1] for r in reqs], np.int32))
-        self._state = self.engine.insert_many(prefixes, self._state, [s for s, _ in chunk])
+        self.table.state = self.engine.insert_many(
+          prefixes, self.table.state, [s for s, _ in chunk]
+        )
         self.metrics["reprefill_tokens"] += sum(len(r.prompt) + len(r.tokens) - 1 for r in reqs)

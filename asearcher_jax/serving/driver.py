@@ -20,11 +20,12 @@ so re-prefill sees every token produced under the old weights. With
 stop ids and budgets applied on the device (decode_calls.py); updates, aborts and admissions
 land between calls, up to k tokens later.
 
-Admission and every kind of prefill (whole, batched, in pieces, suffix) live in admission.py, a
-mixin of `Driver`. Prefix reuse (an agent's next turn prefills only its new suffix:
-prefix_cache.py), what a weight update does to keys/values ("recompute" as AReaL, or "keep" as
-PipelineRL, exact logprobs either way) and the prefill knobs are described with their settings in
-`DriverConfig`.
+Admission and every kind of prefill (whole, batched, in pieces, suffix) live in admission.py, an
+`Admission` the driver owns and calls between decode calls; the two share one `SlotTable` (the
+decode state and who holds each slot). Prefix reuse (an agent's next turn prefills only its new
+suffix: prefix_cache.py), what a weight update does to keys/values ("recompute" as AReaL, or
+"keep" as PipelineRL, exact logprobs either way) and the prefill knobs are described with their
+settings in `DriverConfig`.
 
 Callers use `await driver.generate(...)` from any event loop; thousands of requests queue for the
 slots. An exception fails the requests it touched, with the reason, and the loop keeps serving.
@@ -47,7 +48,7 @@ from flax import nnx
 
 from asearcher_jax.serving import compile_clock
 from asearcher_jax.serving import engine_steps as steps
-from asearcher_jax.serving.admission import Admission
+from asearcher_jax.serving.admission import Admission, AdmissionHooks, SlotTable
 from asearcher_jax.serving.decode_calls import InFlight, plan_call, read_back
 from asearcher_jax.serving.engine import Engine
 from asearcher_jax.serving.prefix_cache import PrefixCache
@@ -120,7 +121,7 @@ class DriverConfig:
       raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {self.kv_on_update!r}")
 
 
-class Driver(Admission):
+class Driver:
   """Serves `generate` requests through the engine's slots on a dedicated thread."""
 
   def __init__(self, engine: Engine, cfg: DriverConfig = DriverConfig()):
@@ -128,16 +129,17 @@ class Driver(Admission):
     self.cfg = cfg
     self._params = engine.load_params()
     self._version = int(self._params.version)
-    self._state: steps.DecodeState = engine.init_decode_state()
-    self._slots: list[Request | None] = [None] * engine.max_concurrent_decodes
+    state = engine.init_decode_state()
+    slots: list[Request | None] = [None] * engine.max_concurrent_decodes
     if cfg.prefill_chunk and cfg.prefill_chunk not in engine.cfg.extend_buckets:
       raise ValueError(
         f"DriverConfig.prefill_chunk={cfg.prefill_chunk} must be one of the engine's extend "
         f"buckets {engine.cfg.extend_buckets} (EngineConfig.suffix_buckets / prefill_buckets)"
       )
-    self._prefixes = PrefixCache(enabled=cfg.prefix_reuse)  # engine thread only
-    # Slots being prefilled piece by piece (prefill_chunk): slot -> (request, tokens done).
-    self._prefilling: dict[int, tuple[Request, int]] = {}  # engine thread only
+    # Decode state, live, parked and half-prefilled slots: engine thread only.
+    self._table = SlotTable(
+      state=state, slots=slots, prefixes=PrefixCache(enabled=cfg.prefix_reuse)
+    )
     self._in_flight: InFlight | None = None  # engine thread only
     self._lock = threading.Lock()  # guards _queue, _by_id
     self._queue: collections.deque[Request] = collections.deque()
@@ -147,6 +149,13 @@ class Driver(Admission):
     self._stopping = False
     self._ids = itertools.count()
     self.metrics = collections.Counter()
+    hooks = AdmissionHooks(
+      take=self._take, record=self._append, finish=self._finish, fail_active=self._fail_active
+    )
+    self._admission = Admission(
+      engine, self._table, self.metrics, hooks, max_admit=cfg.max_admit_per_step,
+      prefill_chunk=cfg.prefill_chunk, continue_in_decode=cfg.continue_in_decode,
+    )  # fmt: skip
     compile_clock.install()
     self._thread_began = threading.Event()
     self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
@@ -158,6 +167,11 @@ class Driver(Admission):
   @property
   def version(self) -> int:
     return self._version
+
+  @property
+  def _slots(self) -> list[Request | None]:
+    # The request decoding in each slot (tests and benchmarks/prefill.py read it).
+    return self._table.slots
 
   async def generate(
     self,
@@ -255,7 +269,7 @@ class Driver(Admission):
       # Pieces of long prompts prefilled in chunks (DriverConfig.prefill_chunk), and prompts in
       # the middle of theirs now.
       "prefill_pieces": self.metrics["prefill_pieces"],
-      "slots_prefilling": len(self._prefilling),
+      "slots_prefilling": len(self._table.prefilling),
       # The part of prefill_s / prefill_calls that were suffix prefills into parked slots.
       "suffix_prefill_s": self.metrics["suffix_prefill_s"],
       "suffix_prefill_calls": self.metrics["suffix_prefill_calls"],
@@ -275,7 +289,7 @@ class Driver(Admission):
       "requests_failed": self.metrics["failed"],
       "requests_aborted": self.metrics["aborted"],
       "engine_errors": self.metrics["engine_errors"],
-      "slots_parked": len(self._prefixes),
+      "slots_parked": len(self._table.prefixes),
       "prefix_hits": self.metrics["prefix_hits"],
       "prefix_tokens_reused": self.metrics["prefix_tokens_reused"],
       "prefill_tokens": self.metrics["prefill_tokens"],
@@ -296,8 +310,8 @@ class Driver(Admission):
       try:
         self._apply_update()
         self._reap_aborted()
-        admitted = self._admit()
-        pieces = self._prefill_piece()
+        admitted = self._admission.admit(self._params)
+        pieces = self._admission.prefill_piece(self._params)
         if self._in_flight is not None or any(r is not None for r in self._slots):
           self._step()
         elif not admitted and not pieces:
@@ -327,17 +341,18 @@ class Driver(Admission):
       self._params = self.engine.versioned(update.params, update.version)
       self._version = update.version
       if not keep:
-        self._prefixes.clear()  # their keys/values come from the old weights
+        table = self._table
+        table.prefixes.clear()  # their keys/values come from the old weights
         # Pieces prefilled under the old weights are done again under the new ones.
-        self._prefilling = {slot: (req, 0) for slot, (req, _) in self._prefilling.items()}
-        live = [(slot, req) for slot, req in enumerate(self._slots) if req is not None]
+        table.prefilling = {slot: (req, 0) for slot, (req, _) in table.prefilling.items()}
+        live = [(slot, req) for slot, req in enumerate(table.slots) if req is not None]
         if self.cfg.batch_reprefill:
-          self._reprefill_many(live)
+          self._admission.reprefill_many(self._params, live)
         else:
           for slot, req in live:
-            self._reprefill(slot, req)
+            self._admission.reprefill(self._params, slot, req)
       # The update's time is its work, not its dispatch: the next decode call would wait for it.
-      jax.block_until_ready((self._params, self._state))
+      jax.block_until_ready((self._params, self._table.state))
     except Exception as e:
       update.done.set_exception(e)
       raise
@@ -351,11 +366,11 @@ class Driver(Admission):
     for slot, req in enumerate(self._slots):
       if req is not None and req.aborted:
         self._slots[slot] = None
-        self._park(slot, req)
+        self._admission.park(slot, req)
         self._finish(req, "abort")
-    for slot, (req, _) in list(self._prefilling.items()):
+    for slot, (req, _) in list(self._table.prefilling.items()):
       if req.aborted:  # its slot holds part of a prompt: freed, not parked
-        del self._prefilling[slot]
+        del self._table.prefilling[slot]
         self._finish(req, "abort")
     with self._lock:
       aborted = [r for r in self._queue if r.aborted]
@@ -378,15 +393,16 @@ class Driver(Admission):
       slots, rows = [s for s, _ in plan.live], None
       try:
         if k > 1:
-          self._state, result, rows = self.engine.generate_chunk(
-            self._params, self._state, slots, [plan.budget[s] for s in slots],
+          self._table.state, result, rows = self.engine.generate_chunk(
+            self._params, self._table.state, slots, [plan.budget[s] for s in slots],
             [r.stop_ids for _, r in plan.live], max_length=plan.max_length, mode=mode,
             top_n=top_n,
           )  # fmt: skip
         else:
-          self._state, result = self.engine.generate(self._params, self._state,
-                                                     max_length=plan.max_length, mode=mode,
-                                                     live=slots, top_n=top_n)  # fmt: skip
+          self._table.state, result = self.engine.generate(
+            self._params, self._table.state, max_length=plan.max_length, mode=mode, live=slots,
+            top_n=top_n,
+          )  # fmt: skip
       except Exception as e:
         self._generate_failed(e)
         return
@@ -425,14 +441,14 @@ class Driver(Admission):
         reason = self._append(req, token, float(logprobs[i, j]), version, alternatives)
         if reason is not None:
           self._slots[slot] = None  # before the caller can see the result: stats never lag it
-          self._park(slot, req)
+          self._admission.park(slot, req)
           self._finish(req, reason)
 
   def _generate_failed(self, e: Exception) -> None:
     log.exception("generate step failed")
     self.metrics["engine_errors"] += 1
     self._in_flight = None  # computed from the failed state, if at all
-    self._state = self.engine.init_decode_state()  # the old one may have been donated
+    self._table.state = self.engine.init_decode_state()  # the old one may have been donated
     self._fail_active(EngineError(f"generate step failed: {type(e).__name__}: {e}"))
 
   def _append(self, req: Request, token: int, logprob: float, version: int,
@@ -443,14 +459,19 @@ class Driver(Admission):
 
   def _fail_active(self, error: Exception) -> None:
     self._in_flight = None  # its tokens belong to the requests failed here
-    self._prefixes.clear()  # their keys/values may be lost with the decode state
-    prefilling, self._prefilling = self._prefilling, {}
+    self._table.prefixes.clear()  # their keys/values may be lost with the decode state
+    prefilling, self._table.prefilling = self._table.prefilling, {}
     for req, _ in prefilling.values():
       self._finish(req, error=error)
     for slot, req in enumerate(self._slots):
       if req is not None:
         self._slots[slot] = None
         self._finish(req, error=error)
+
+  def _take(self, n: int) -> list[Request]:
+    """Pops up to n queued requests, oldest first (admission's `AdmissionHooks.take`)."""
+    with self._lock:
+      return [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
 
   def _finish(
     self, req: Request, reason: StopReason | None = None, error: Exception | None = None

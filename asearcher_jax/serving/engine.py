@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import time
 from collections.abc import Collection, Sequence
 from typing import Literal
 
@@ -28,7 +29,6 @@ from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.kv_cache import KVCache
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving import engine_steps as steps
-from asearcher_jax.serving import engine_warmup
 from asearcher_jax.serving.engine_steps import DecodeState, Prefix, VersionedParams
 from asearcher_jax.serving.jetstream import EngineContract, engine_api
 from asearcher_jax.serving.mesh import (
@@ -153,9 +153,56 @@ class Engine(EngineContract):
     modes: Sequence[SamplingMode] = ("greedy", "sample"),
     extend: bool = True,
   ) -> float:
-    """Compiles every shape serving uses now, so that no request pays a compile later; returns
-    the seconds taken (`engine_warmup.warmup` says which shapes)."""
-    return engine_warmup.warmup(self, chunks=chunks, modes=modes, extend=extend)
+    """Compiles prefill (every bucket x admission chunk x mode), insert and every decode window
+    (one step, and the multi-step call when decode_steps_per_call > 1) now, so that no request
+    pays a compile later; returns the seconds taken. "truncate" (top-p/top-k) compiles on first
+    use unless listed in `modes`. extend: also every suffix prefill shape (suffix bucket x window x
+    mode, and x `suffix_batch` size) that prefix reuse uses."""
+    t0 = time.perf_counter()
+    params, state = self.load_params(), self.init_decode_state()
+    for bucket in self.cfg.buckets:
+      prompt = [1] * min(bucket, self.cfg.max_seq_len - 1)
+      for mode in modes:
+        temp = 0.0 if mode == "greedy" else 1.0
+        for k in chunks:
+          sp = [SamplingParams(temperature=temp, top_p=0.9 if mode == "truncate" else 1.0)] * k
+          prefixes = self.prefill_many(
+            params=params, prompts=[prompt] * k, samplings=sp, seeds=list(range(k))
+          )
+          state = self.insert_many(prefixes, state, list(range(k)))
+      padded, n = self.pad(prompt)
+      state = self.insert(
+        self.prefill(params=params, padded_tokens=padded, true_length=n), state, 0
+      )
+    if extend:  # the no-prefill admission of a continuing turn, then every suffix prefill
+      state = self.activate_slot(state, 0, 1, 1, sampling=SamplingParams())
+      for sb in self.cfg.extend_buckets:
+        for window in self.cfg.buckets:
+          if window < sb:
+            continue
+          for mode in modes:
+            sp = SamplingParams(temperature=0.0 if mode == "greedy" else 1.0)
+            state, *_ = self.extend_slot(
+              params, state, 0, [1], window - sb, sampling=sp, bucket=sb, window=window
+            )
+            for k in self.cfg.suffix_chunks:
+              if k > 1:
+                state, *_ = self.extend_slots(
+                  params, state, list(range(k)), [[1]] * k, [window - sb] * k,
+                  samplings=[sp] * k, seeds=list(range(k)), bucket=sb, window=window,
+                )  # fmt: skip
+    for window in self.cfg.buckets:
+      for mode in modes:
+        for size in self.cfg.row_buckets:
+          live = range(size) if size < self.cfg.max_slots else None
+          state, result = self.generate(params, state, max_length=window, mode=mode, live=live)
+          if self.cfg.decode_steps_per_call > 1:
+            slots = list(live or range(size))
+            state, *_ = self.generate_chunk(
+              params, state, slots, [1] * size, [()] * size, max_length=window, mode=mode
+            )
+    np.asarray(result.data)
+    return time.perf_counter() - t0
 
   # --- JetStream Engine API -------------------------------------------------------------------
 

@@ -48,9 +48,9 @@ def scripted_group(i: int, version: int, vocab: int):
       "logprobs": np.where(gen, rng.uniform(-4.0, -0.5, n), 0.0).astype(np.float32),
       "versions": np.where(gen, version, -1).astype(np.int32),
     }])  # fmt: skip
-  rewards = [float(r) for r in rng.uniform(0.0, 1.0, GROUP_SIZE)]
+  advantages = [float(r) for r in rng.uniform(0.0, 1.0, GROUP_SIZE)]
   return Group(
-    group_id=f"g{i:03d}", trajectories=trajs, rewards=rewards, created_version=version,
+    group_id=f"g{i:03d}", trajectories=trajs, advantages=advantages, created_version=version,
     created_at=float(i),
   )  # fmt: skip
 
@@ -81,6 +81,10 @@ class ScriptedRollout:
   def flush(self, timeout=None) -> None:
     if self.store is not None:
       self.store.flush(timeout)
+
+  def close(self, timeout=None) -> None:
+    if self.store is not None:
+      self.store.close(timeout)
 
   def publish(self, learner) -> dict[str, float]:
     import jax

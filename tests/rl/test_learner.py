@@ -55,8 +55,8 @@ def _groups(model, *, n_groups=4, n_traj=2, seed=0, version=0, noise=0.2):
         "tokens": tokens[i], "loss_mask": mask, "logprobs": (lp[i] * mask).astype(np.float32),
         "versions": np.where(mask > 0, version, -1).astype(np.int32),
       }])  # fmt: skip
-    rewards = [1.0] + [-1.0] * (n_traj - 1)
-    groups.append(Group(group_id=f"{seed}/{g}", trajectories=trajs, rewards=rewards,
+    advantages = [1.0] + [-1.0] * (n_traj - 1)
+    groups.append(Group(group_id=f"{seed}/{g}", trajectories=trajs, advantages=advantages,
                         created_version=version))  # fmt: skip
   return groups
 
@@ -125,7 +125,7 @@ def test_advantage_pipeline_reward_transform_group_and_global_norm(model):
                   group_norm=True, global_norm=True)  # fmt: skip
   learner = Learner(graphdef, _fresh(params), ppo=cfg, optimizer=steps.OptimizerConfig())
   groups = _groups(model, n_groups=2, n_traj=3)
-  groups[1].rewards = [1.0, 0.0, 0.0]
+  groups[1].advantages = [1.0, 0.0, 0.0]
   vals = learner.compute_advantages(groups)
   np.testing.assert_allclose(vals[0], [1.1547, -0.5774, -0.5774], atol=1e-3)  # (+-5 -> z)
   mb = learner.prepare(groups)[0]

@@ -38,7 +38,7 @@ async def test_two_servers_one_weights_dir(tmp_path, make_driver):  # noqa: F811
     files[-1].write_text(json.dumps({"http": f"127.0.0.1:{port}"}))
     drivers.append(driver), watchers.append(watcher), servers.append(server)
   remote = RemoteEngines(
-    files, weights, graphdef, None, client=RemoteClientConfig(timeout_s=T), poll_s=0.05
+    files, weights, graphdef, client=RemoteClientConfig(timeout_s=T), poll_s=0.05
   )
   try:
     with pytest.raises(AsearcherError, match="nothing published"):
@@ -81,7 +81,7 @@ def test_fleet_counters_survive_a_server_restart(tmp_path):
   counting from where its predecessor stopped. A server that stops answering keeps its counters
   in the sum but no longer counts slots, occupancy or version."""
   files = [tmp_path / "a.json", tmp_path / "b.json"]
-  remote = RemoteEngines(files, tmp_path / "w", nnx.split(tiny_model())[0], None)
+  remote = RemoteEngines(files, tmp_path / "w", nnx.split(tiny_model())[0])
 
   def health(tokens: int, active: int, version: int) -> dict:
     return {"driver": {"slots": 4, "slots_active": active, "tokens_generated": tokens,

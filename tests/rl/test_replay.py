@@ -36,7 +36,7 @@ def _group(gid: str, version: int, *, n: int = 2, length: int = 6, created_at: f
   return Group(
     group_id=gid,
     trajectories=[[_seq(length + i, version)] for i in range(n)],
-    rewards=[float(i) - (n - 1) / 2 for i in range(n)],
+    advantages=[float(i) - (n - 1) / 2 for i in range(n)],
     created_version=version,
     created_at=created_at,
     metadata={"qid": gid},
@@ -106,7 +106,7 @@ def test_persistence_survives_reopen_with_leases_and_torn_tails(tmp_path):
   assert q2.pending_ids() == ["g2", "g3", "g4"]
   g = q2.take(1, timeout=1)[0]
   orig = leased[0]
-  assert g.rewards == orig.rewards and g.metadata == {"qid": "g2"}
+  assert g.advantages == orig.advantages and g.metadata == {"qid": "g2"}
   assert g.created_version == 2 and g.enqueued_at == pytest.approx(orig.enqueued_at)
   s, s0 = g.trajectories[1][0], orig.trajectories[1][0]
   assert isinstance(s, TrainingSequence) and s.stop_reason == "stop" and s.calls == [0]
@@ -189,13 +189,37 @@ async def test_apush_does_not_block_the_loop():
   assert not await asyncio.wait_for(q.apush(_group("b", 0), timeout=0.05), timeout=2)
 
 
+def test_a_groups_log_written_before_the_advantages_rename_still_reads(tmp_path):
+  """Records written while the field was called "rewards" come back as `Group.advantages`,
+  through `decode_group` and through a queue reopened over such a log."""
+  import zlib
+
+  import msgpack
+
+  from asearcher_jax.rl.replay import _HEADER, decode_group, encode_group
+
+  orig = _group("old", 1, n=3)
+  record = msgpack.unpackb(encode_group(orig), raw=False)
+  assert "rewards" not in record
+  record["rewards"] = record.pop("advantages")  # the old format
+  raw = msgpack.packb(record, use_bin_type=True)
+  assert decode_group(raw).advantages == orig.advantages == [-1.0, 0.0, 1.0]
+  (tmp_path / GROUPS_LOG).write_bytes(_HEADER.pack(len(raw), zlib.crc32(raw)) + raw)
+  q = ReplayQueue(ReplayConfig(directory=str(tmp_path)))
+  try:
+    g = q.take(1, timeout=1)[0]
+  finally:
+    q.close()
+  assert g.group_id == "old" and g.advantages == orig.advantages
+
+
 def test_config_validation():
   with pytest.raises(ValueError):
     ReplayConfig(capacity=0)
   with pytest.raises(ValueError):
     ReplayConfig(length_buckets=(10, 5))
-  with pytest.raises(ValueError, match="rewards"):
-    Group(group_id="x", trajectories=[[]], rewards=[], created_version=0)
+  with pytest.raises(ValueError, match="advantages"):
+    Group(group_id="x", trajectories=[[]], advantages=[], created_version=0)
 
 
 def test_group_from_agent_trajectories_round_trips(tmp_path):

@@ -105,11 +105,15 @@ def test_group_centring_and_dropping():
 
 
 def test_score_group_sets_scores():
+  """The RL loop's `score_group` with the ASearcher reward: scores set on the trajectories, an
+  environment failure excluded (None), the rest centred on their mean."""
+  from asearcher_jax.rl.scoring import answer_scorer, score_group
+
   trajs = [_traj("Paris", ["Paris"]), _traj("Rome", ["Paris"]), _traj(None, ["Paris"])]
   trajs.append(_traj("Paris", ["Paris"], environment_failure=True))
-  adv = reward.score_group(trajs)
-  assert [t.score for t in trajs] == [1.0, 0.0, 0.0, None]
-  assert adv == pytest.approx([2 / 3, -1 / 3, -1 / 3, None])
+  out = score_group(trajs, answer_scorer())
+  assert [t.score for t in trajs] == [1.0, 0.0, 0.0, None] == out.scores
+  assert out.advantages == pytest.approx([2 / 3, -1 / 3, -1 / 3, None])
 
 
 def test_progress_scorer_blends_step_credit_into_the_answer_reward():

@@ -92,7 +92,7 @@ def test_eta0_admits_exactly_b_groups_per_version_and_centres_rewards(tok):
     assert len(replay) == 2 and staleness.capacity() == 0
     groups = replay.take(2, timeout=1, current_version=0)
     for g in groups:
-      assert sorted(g.rewards) == [-0.5, 0.5]  # F1 1 and 0, centred on the group mean
+      assert sorted(g.advantages) == [-0.5, 0.5]  # F1 1 and 0, centred on the group mean
       assert g.metadata["scores"] in ([1.0, 0.0], [0.0, 1.0])
       assert g.created_version == 0 and len(g.trajectories) == 2
     assert [g.group_id for g in groups] == ["e0/i0/q0", "e0/i1/q1"]  # cursor order, oldest first

@@ -262,13 +262,19 @@ class StubSync:
     self.staleness.set_version(learner.version)
     return {}
 
+  def flush(self, timeout=None):
+    pass
+
+  def close(self, timeout=None):
+    pass
+
 
 def stub_group(i: int) -> Group:
   seq = {
     "tokens": np.arange(4, dtype=np.int32), "loss_mask": np.asarray([0, 0, 1, 1], np.int32),
     "logprobs": np.zeros(4, np.float32), "versions": np.asarray([-1, -1, 0, 0], np.int32),
   }  # fmt: skip
-  return Group(group_id=f"g{i}", trajectories=[[seq]], rewards=[1.0], created_version=0)
+  return Group(group_id=f"g{i}", trajectories=[[seq]], advantages=[1.0], created_version=0)
 
 
 def stub_trainer(run_dir: Path, steps: int, *, blocking: bool = False):
@@ -369,3 +375,54 @@ def test_history_keeps_only_the_last_steps(tmp_path, monkeypatch):
   trainer = run_stub_trainer(tmp_path, steps=4, groups=4)
   assert trainer.trained_ids == [["g0"], ["g1"], ["g2"], ["g3"]]
   assert len(trainer.history) == 2
+
+
+class RecordingSync:
+  """A weight sync that only records: (the version it publishes, the staleness manager's version
+  at that moment)."""
+
+  def __init__(self, staleness) -> None:
+    self.staleness = staleness
+    self.seen: list[tuple[int, int]] = []
+    self.flushes = 0
+
+  def publish(self, learner):
+    self.seen.append((learner.version, self.staleness.version))
+    return {}
+
+  def flush(self, timeout=None):
+    self.flushes += 1
+
+  def close(self, timeout=None):
+    pass
+
+
+def test_the_trainer_tells_staleness_each_version_after_the_sync(tmp_path):
+  """The trainer owns the version: each step advances it once, the sync publishes it and only
+  then is the staleness manager told it (no group admitted against weights no sampler has); a
+  resume restores accepted = v * B + queued and republishes v without moving it."""
+  trainer, learner, replay, staleness, ckpt = stub_trainer(tmp_path, steps=3)
+  sync = trainer.weight_sync = RecordingSync(staleness)
+  try:
+    for i in range(5):
+      replay.push(stub_group(i), timeout=1)
+    assert trainer.restore() is None and sync.seen == []  # a fresh run publishes nothing here
+    for v in (1, 2, 3):
+      trainer.step()
+      assert learner.version == v == staleness.version
+    trainer.run()  # already at train_steps: no step, one flush of the sync
+  finally:
+    ckpt.close()
+    replay.close()
+  assert sync.seen == [(1, 0), (2, 1), (3, 2)] and sync.flushes == 1
+
+  trainer, learner, replay, staleness, ckpt = stub_trainer(tmp_path, steps=4)
+  sync = trainer.weight_sync = RecordingSync(staleness)
+  try:
+    assert trainer.restore() == 3
+    assert sync.seen == [(3, 3)] and staleness.stats()["accepted"] == 3 * 1 + 2
+    trainer.run()
+  finally:
+    ckpt.close()
+    replay.close()
+  assert sync.seen == [(3, 3), (4, 3)] and staleness.version == 4 == learner.version

@@ -1,7 +1,9 @@
 """Weight sync: in process, a real Learner's new weights reach the real Driver mid-generation
-(engine-stamped versions change inside one request) and the version reaches the staleness
-manager; across processes (simulated with two objects and a temp dir), a version published to the
-weight store (bf16 by default) behind an atomic LATEST pointer is picked up by a watcher."""
+(engine-stamped versions change inside one request); across processes (simulated with two
+objects and a temp dir), a version published to the weight store (bf16 by default) behind an
+atomic LATEST pointer is picked up by a watcher; every sync has `flush` (raises a failed write)
+and an idempotent `close`. The trainer, not the sync, tells the staleness manager each version
+(tests/rl/test_trainer_e2e.py::test_the_trainer_tells_staleness_each_version_after_the_sync)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ from flax import nnx
 from asearcher_jax.model import steps
 from asearcher_jax.rl.learner import Learner, PPOConfig
 from asearcher_jax.rl.replay import Group
-from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.rl.weight_sync import (
   DirectoryWeightPublisher,
   InProcessWeightSync,
+  WeightSync,
   WeightSyncConfig,
 )
 from asearcher_jax.serving.types import SamplingParams
@@ -56,7 +58,7 @@ def one_group(seed: int = 0) -> Group:
       "tokens": tokens, "loss_mask": mask, "logprobs": np.where(mask > 0, -4.6, 0.0).astype(np.float32),
       "versions": np.where(mask > 0, 0, -1).astype(np.int32),
     }])  # fmt: skip
-  return Group(group_id=f"g{seed}", trajectories=trajs, rewards=[1.0, -1.0], created_version=0)
+  return Group(group_id=f"g{seed}", trajectories=trajs, advantages=[1.0, -1.0], created_version=0)
 
 
 def bf16(tree):
@@ -77,8 +79,7 @@ async def test_in_process_update_lands_mid_generation(make_driver):  # noqa: F81
   model = tiny_model()
   driver = make_driver(model, slots=2, max_seq_len=128, buckets=(16, 128))
   learner = make_learner(model)
-  staleness = StalenessManager(StalenessConfig(batch_groups=1, max_staleness=0))
-  sync = InProcessWeightSync(driver, staleness, WeightSyncConfig(timeout_s=60))
+  sync = InProcessWeightSync(driver, WeightSyncConfig(timeout_s=60))
   learner.train_step([one_group(0)])  # version 1 (compiles before the request starts)
   # The driver thread waits once decoding is under way, until the update is submitted: polled
   # from the event loop, a slow copy on a busy machine could let all 100 tokens out first.
@@ -103,7 +104,7 @@ async def test_in_process_update_lands_mid_generation(make_driver):  # noqa: F81
   versions = np.asarray(result.versions)
   assert result.stop_reason == "length" and len(versions) == 100
   assert versions[0] == 0 and versions[-1] == 1 and np.all(np.diff(versions) >= 0)
-  assert staleness.version == 1 and driver.version == 1
+  assert driver.version == 1
   assert metrics["weight_sync/engine_update_ms"] > 0
   # The engine holds a copy: the learner's next (donating) step leaves it intact and servable.
   served = jax.tree.map(np.asarray, driver._params.state)
@@ -111,7 +112,7 @@ async def test_in_process_update_lands_mid_generation(make_driver):  # noqa: F81
   assert leaves_equal(driver._params.state, served)
   await asyncio.to_thread(sync.publish, learner)
   again = await asyncio.wait_for(driver.generate([1, 2, 3], SamplingParams(seed=2), 4), 60)
-  assert again.versions == [2] * len(again.versions) and staleness.version == 2
+  assert again.versions == [2] * len(again.versions) and driver.version == 2
 
 
 class RecordingSink:
@@ -129,9 +130,8 @@ def test_directory_publish_and_watch(tmp_path):
   model = tiny_model()
   learner = make_learner(model)
   graphdef, _ = nnx.split(model)
-  staleness = StalenessManager(StalenessConfig(batch_groups=1))
   publisher = DirectoryWeightPublisher(  # blocking: committed when publish returns
-    tmp_path / "weights", graphdef, staleness, WeightSyncConfig(keep_versions=1, background=False)
+    tmp_path / "weights", graphdef, WeightSyncConfig(keep_versions=1, background=False)
   )
   sink = RecordingSink()
   watcher = DirectoryWeightWatcher(tmp_path / "weights", sink, version=0)
@@ -142,7 +142,7 @@ def test_directory_publish_and_watch(tmp_path):
 
   learner.train_step([one_group(0)])
   metrics = publisher.publish(learner)
-  assert staleness.version == 1
+  assert publisher.written == [1]
   n = sum(x.size for x in jax.tree.leaves(learner.params))
   assert metrics["weight_sync/gb"] == pytest.approx(2 * n / 1e9)  # bf16
   assert metrics["weight_sync/s_per_gb"] == pytest.approx(
@@ -236,15 +236,14 @@ def test_background_publish_lets_the_trainer_run_ahead_of_a_slow_store(tmp_path)
   two between were superseded (never half-written). Blocking mode waits for the store."""
   model = tiny_model()
   learner = make_learner(model)
-  staleness = StalenessManager(StalenessConfig(batch_groups=1, max_staleness=4))
-  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], staleness,
+  publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0],
                              WeightSyncConfig(keep_versions=4, background=True))  # fmt: skip
   published = {}
   for v in range(1, 5):
     learner.train_step([one_group(v)])
     metrics = publisher.publish(learner)  # returns with the store stuck on version 1
     published[v] = bf16(learner.params)
-    assert staleness.version == v and learner.version == v
+    assert learner.version == v
     assert metrics["weight_sync/charged_s"] >= 0
   assert publisher.written == [] and read_latest(tmp_path / "w") is None
   publisher.gate.set()
@@ -311,6 +310,52 @@ def test_a_trainer_under_jax_distributed_publishes_in_the_call(tmp_path, monkeyp
   call.join(60)
   assert not call.is_alive() and publisher.written == [0] and publisher._thread is None
   publisher.close(timeout=5)
+
+
+def test_every_weight_sync_flushes_and_closes_once(tmp_path):
+  """The protocol on each implementation: `flush` returns once the last version is committed,
+  `close` twice is one close, and publishing after it is an error."""
+  from asearcher_jax.rl.remote import RemoteEngines
+
+  model = tiny_model()
+  learner = make_learner(model)
+  graphdef = nnx.split(model)[0]
+  sink = RecordingSink()
+  in_process = InProcessWeightSync(sink)
+  store = DirectoryWeightPublisher(tmp_path / "w", graphdef, BACKGROUND)
+  remote = RemoteEngines([tmp_path / "engine0.json"], tmp_path / "r", graphdef, sync=BACKGROUND)
+  for sync in (in_process, store, remote):
+    assert isinstance(sync, WeightSync)
+    sync.publish(learner)
+    sync.flush(timeout=60)
+  assert [v for _, v in sink.updates] == [0]
+  assert store.written == [0] and read_latest(tmp_path / "w")["version"] == 0
+  assert read_latest(tmp_path / "r")["version"] == 0  # the servers' store
+  for sync in (in_process, store, remote):
+    sync.close(timeout=60)
+    sync.close(timeout=60)
+    with pytest.raises(RuntimeError, match="closed"):
+      sync.publish(learner)
+  assert remote.publisher._thread is None
+
+
+def test_remote_engines_flush_raises_a_failed_write_and_close_is_idempotent(tmp_path):
+  from asearcher_jax.rl.remote import RemoteEngines
+
+  model = tiny_model()
+  learner = make_learner(model)
+  remote = RemoteEngines([tmp_path / "engine0.json"], tmp_path / "r", nnx.split(model)[0])
+  remote.publisher = GatedPublisher(tmp_path / "r", nnx.split(model)[0], fail_at=0,
+                                    config=BACKGROUND)  # fmt: skip
+  remote.publisher.gate.set()
+  remote.publish(learner)  # version 0: its write fails on the writer thread
+  with pytest.raises(RuntimeError, match="store unreachable"):
+    remote.flush(timeout=60)
+  learner.train_step([one_group(1)])
+  remote.publish(learner)
+  remote.close(timeout=60)
+  remote.close(timeout=60)
+  assert remote.publisher.written == [1] and read_latest(tmp_path / "r")["version"] == 1
 
 
 def test_config_validation():

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from asearcher_jax.model import transformer
+from asearcher_jax.serving.admission import Admission
 from asearcher_jax.serving.driver import Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.tokenizer import Tokenizer
@@ -70,11 +71,13 @@ class DriverHold:
 
 @contextlib.contextmanager
 def hold_driver(
-  driver: Driver, method: str, when: Callable[..., bool] = lambda *args: True
+  driver: Driver | Admission, method: str, when: Callable[..., bool] = lambda *args: True
 ) -> Iterator[DriverHold]:
   """Holds the driver thread once, right after `driver.<method>(...)` returns with `when(...)`
   (given the same arguments) true, so a test can act at an exact point of the driver's loop: polled
-  from the event loop instead, the point was missed on a busy machine (CI runs of 2026-11-26)."""
+  from the event loop instead, the point was missed on a busy machine (CI runs of 2026-11-26).
+  `driver` may be the driver's `Admission` (`driver._admission`), whose methods run on that
+  thread too."""
   hold, original = DriverHold(), getattr(driver, method)
 
   def held(*args):

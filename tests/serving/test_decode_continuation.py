@@ -84,7 +84,7 @@ async def test_a_continuation_aborted_before_its_first_token_leaves_its_slot_usa
   # The driver thread stops right after the continuation goes live, until the abort is in: the
   # call it then dispatches feeds the prompt's last token, and the abort is reaped before that
   # call's token is recorded (the request leaves with no tokens).
-  with hold_driver(driver, "_admit_continuation") as hold:
+  with hold_driver(driver._admission, "_admit_continuation") as hold:
     task = asyncio.ensure_future(gen(driver, prompt, 40, request_id="c"))
     await hold.wait_reached(30)
     assert driver.abort("c")

@@ -1,16 +1,26 @@
-"""The package stays readable: modules of a few hundred lines, functions without long argument lists.
+"""The package stays readable: modules that each hold whole objects, functions without long
+argument lists.
 
 Long argument lists are what nested frozen configs replace (one default in one place, bindable from
-gin); a module past ~500 lines holds more than one thing. A new offender fails here with its place.
+gin); a new one fails here with its place. Module length is a hint, not a rule: a hard cap of 520
+lines cut classes in half to fit (a driver mixin borrowing ten private attributes, an engine
+method moved out and importing the engine back), worse than one long module; modules are split by
+object, and tests/unit/test_import_cycles.py catches halves that need each other. So a module over
+~800 lines only warns (look for a second object in it), and only a god-module, far beyond, fails.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
+import warnings
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "asearcher_jax"
-MAX_LINES = 520  # "a few hundred lines": ~500, with a little slack for docstrings
+WARN_LINES = 800  # worth a look: it may hold a second object that wants its own module
+MAX_LINES = 1200  # a god-module: fails
 MAX_PARAMS = 12
 
 
@@ -24,10 +34,16 @@ def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
   return len([n for n in names if n not in ("self", "cls")])
 
 
-def test_no_module_is_longer_than_the_limit():
-  long = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in _modules()
-          if (n := p.read_text(encoding="utf-8").count("\n")) > MAX_LINES]  # fmt: skip
-  assert not long, f"modules over {MAX_LINES} lines: {long}"
+def _longer_than(limit: int) -> list[str]:
+  return [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in _modules()
+          if (n := p.read_text(encoding="utf-8").count("\n")) > limit]  # fmt: skip
+
+
+def test_long_modules_warn_and_god_modules_fail():
+  if long := _longer_than(WARN_LINES):
+    warnings.warn(f"modules over {WARN_LINES} lines (one object each?): {long}", stacklevel=1)
+  huge = _longer_than(MAX_LINES)
+  assert not huge, f"modules over {MAX_LINES} lines: split them by object: {huge}"
 
 
 def test_no_function_takes_a_long_argument_list():
@@ -43,3 +59,10 @@ def test_the_checks_see_the_package():
   # Guards against a path change that would make both checks pass vacuously.
   assert len(_modules()) > 80
   assert any(p.name == "transformer.py" for p in _modules())
+  assert _longer_than(400) and not _longer_than(100_000)  # lines are counted, and not wrongly
+
+
+def test_a_module_over_the_warning_length_warns(monkeypatch):
+  monkeypatch.setattr(sys.modules[__name__], "WARN_LINES", 400)
+  with pytest.warns(UserWarning, match="modules over 400 lines"):
+    test_long_modules_warn_and_god_modules_fail()
