@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import gin
@@ -80,5 +81,42 @@ def test_gin_file_passes_the_command_lines_checks(path):
   assert name is not None, f"{path} binds no subcommand's function"
   try:
     main.configure(name, [str(path)], [])
+  finally:
+    gin.clear_config()
+
+
+def _layered_command(path: Path) -> list[str]:
+  """The gin files of the command an overlay's header gives (`#   asearcher SUB --gin_file ...`)."""
+  lines = [ln for ln in path.read_text().splitlines() if ln.startswith("#   asearcher ")]
+  assert len(lines) == 1, f"{path}: one '#   asearcher ...' command line in the header"
+  words = shlex.split(lines[0].removeprefix("#"))
+  return [words[i + 1] for i, w in enumerate(words) if w == "--gin_file"]
+
+
+LONG_HORIZON_OVERLAYS = sorted((GIN_ROOT / "overlays" / "long_horizon").glob("*.gin"))
+
+
+def test_long_horizon_variants_are_overlays_not_recipes():
+  """gin/experiments holds recipes a user runs; a variant is an overlay (docs/experiments/)."""
+  recipes = sorted(p.name for p in (GIN_ROOT / "experiments").glob("*.gin"))
+  assert len(recipes) <= 12, recipes
+  assert [r for r in recipes if r.startswith("long_horizon")] == [
+    "long_horizon.gin",
+    "long_horizon_warm_start.gin",
+  ]
+  assert len(LONG_HORIZON_OVERLAYS) >= 5
+
+
+@pytest.mark.parametrize("path", LONG_HORIZON_OVERLAYS, ids=lambda p: p.name)
+def test_long_horizon_overlay_command_passes_the_checks(path):
+  """The command an overlay's header documents: the recipe first, the overlay last, and every
+  binding of the stack checked as `asearcher long-horizon` checks it before it runs."""
+  files = _layered_command(path)
+  rel = str(path.relative_to(GIN_ROOT.parent))
+  assert files[0] == "gin/experiments/long_horizon.gin" and files[-1] == rel, files
+  experiments = (GIN_ROOT.parent / "docs" / "experiments" / "long_horizon.md").read_text()
+  assert path.name in experiments, f"{rel} is not listed in docs/experiments/long_horizon.md"
+  try:
+    main.configure("long-horizon", files, [])
   finally:
     gin.clear_config()
