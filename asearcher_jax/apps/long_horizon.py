@@ -33,6 +33,7 @@ from asearcher_jax.apps import invocation, long_warm_start
 from asearcher_jax.apps import long_horizon_report as lh_report
 from asearcher_jax.apps import quickstart as qs
 from asearcher_jax.apps.long_warm_start import LongWarmStart, make_warm_start
+from asearcher_jax.apps.train_config import AgentChoice, TrainConfig
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.synthwiki.wiki import SynthWikiConfig
@@ -90,6 +91,11 @@ SNIPPETS_AGENT = dataclasses.replace(PAGES_AGENT, doc_sentences=3)
 PAGES_PLAN_AGENT = dataclasses.replace(PAGES_AGENT, max_new_tokens=96)
 
 
+def long_agent() -> AsearcherAgentConfig:
+  """`LONG_AGENT`, for gin."""
+  return LONG_AGENT
+
+
 def longer_world() -> SynthWikiConfig:
   """`LONGER_WORLD`, for gin."""
   return LONGER_WORLD
@@ -120,9 +126,24 @@ LONG_ENGINE = EngineConfig(
 )
 
 
-# The RL stage's defaults: the quickstart's, drawing the warm start's own (train) questions, with
-# two rows per learner pass and 1,024- or 2,048-token rows for minibatches that fit them.
-LONG_RL = qs.QuickstartRL(questions="train", micro_rows=2, short_row_lens=(1024, 2048))
+# The RL run's defaults: the quickstart's with this engine and agent (rows of up to 3,072
+# tokens), two rows per learner pass and 1,024- or 2,048-token rows for minibatches that fit them
+# (4,096-token rows: 4.5 GB peak at two a pass, 7.9 GB at four); gin/experiments/long_horizon.gin
+# binds the same values part by part.
+LONG_RL = dataclasses.replace(
+  qs.QUICKSTART_RL,
+  engine=LONG_ENGINE,
+  agent=AgentChoice(name="asearcher", configs={"asearcher": LONG_AGENT}),
+  learner=dataclasses.replace(
+    qs.QUICKSTART_RL.learner,
+    ppo=dataclasses.replace(
+      qs.QUICKSTART_RL.ppo(), row_len=LONG_ENGINE.max_seq_len, short_row_lens=(1024, 2048),
+      micro_rows=2,
+    ),
+  ),
+)  # fmt: skip
+# RL draws the warm start's own (train) questions: its expert never answered the long ones right.
+TRAIN_POOL = qs.SynthWikiRL(questions="train")
 
 # The in-run warm start's defaults (used with `warm_start_dir` None).
 IN_RUN_WARM_START = LongWarmStart()
@@ -134,11 +155,9 @@ def long_horizon(
   warm_start_dir: str | None = str(long_warm_start.LONG_WARM_START),
   world: SynthWikiConfig = LONG_WORLD,
   warm: LongWarmStart = IN_RUN_WARM_START,
-  temperature: float = 1.0,
-  evaluation: qs.QuickstartEval = qs.QuickstartEval(),
-  rl: qs.QuickstartRL = LONG_RL,
-  agent: AsearcherAgentConfig = LONG_AGENT,
-  engine: EngineConfig = LONG_ENGINE,
+  evaluation: qs.QuickstartEval = qs.DEFAULT_EVAL,
+  rl: TrainConfig = LONG_RL,
+  pool: qs.SynthWikiRL = TRAIN_POOL,
   long_hops: int = 6,
   min_tool_calls: int = 30,
 ) -> int:
@@ -150,21 +169,23 @@ def long_horizon(
       (`warm`), evaluated and given a card (run_dir/warm_start/model_card.md).
     world: the SynthWiki world (long, hop-isolated chains).
     warm: the in-run warm start (expert's give-up range, SFT recipe).
-    temperature: sampling temperature of RL (and of the evaluations, unless `evaluation`
-      names its own).
-    evaluation / rl: the quickstart's evaluation and RL stages.
-    agent / engine: the agent's budgets (must fit 30 tool calls) and the engine's context.
+    evaluation: the held-out evaluation (of the warm start's card, and before and after RL).
+    rl: the RL run, as `asearcher train` configures one; its agent's budgets (must fit
+      `min_tool_calls`), engine and sampling temperature are also the warm start's and the
+      evaluations' (unless `evaluation` names its own temperature).
+    pool: where RL draws its questions, and the reward's per-hop credit.
     long_hops: questions of at least this many hops are the "long" ones of the summary.
     min_tool_calls: tool calls the agent's turn and token limits must allow in one episode.
   """
   t0 = time.time()
+  agent, engine, temperature = qs.synthwiki_agent(rl), rl.engine, rl.temperature
   turns = 2 * min_tool_calls + 1  # an act and a read turn per tool call, then the answer
   tokens = PROMPT_TOKENS + TOKENS_PER_TOOL_CALL * min_tool_calls
   if agent.max_turns < turns or not tokens <= agent.max_tokens <= engine.max_seq_len:
     raise AsearcherError(
-      f"long_horizon.agent: {min_tool_calls} tool calls need max_turns >= {turns} (got "
+      f"long_horizon: {min_tool_calls} tool calls need the agent's max_turns >= {turns} (got "
       f"{agent.max_turns}) and max_tokens >= {tokens} (got {agent.max_tokens}), within "
-      f"engine.max_seq_len {engine.max_seq_len}"
+      f"the engine's max_seq_len {engine.max_seq_len}"
     )
   root = Path(run_dir)
   expert_stats = None
@@ -192,10 +213,8 @@ def long_horizon(
       keys = ("avg_em", "pass_em", "tool_calls", "long", "data_sha256", "world_digest")
       print(json.dumps({k: card[k] for k in keys}), flush=True)
       return 0
-  qs.quickstart(
-    run_dir=str(root), warm_start_dir=warm_start_dir, world=world, temperature=temperature,
-    evaluation=evaluation, rl=rl, agent=agent, engine=engine,
-  )  # fmt: skip
+  stages = qs.rl_stages(world=world, evaluation=evaluation, rl=rl, pool=pool)
+  qs.print_summary(root, qs.run_stages(root, qs.warm_start_path(warm_start_dir), stages))
   summary = lh_report.build(root, long_hops=long_hops, doc_sentences=agent.doc_sentences)
   summary.update(
     command=invocation.command("asearcher long-horizon (called from Python)"),

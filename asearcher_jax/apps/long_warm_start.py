@@ -72,7 +72,7 @@ class LongWarmStart:
   max_attempts: int = 3
   # The expert also plays the first h hops of each train chain, for each h here
   # (`questions.chain_prefix`), so that the warm start has seen short chains and an RL pool with
-  # `QuickstartRL.prefix_hops` gives it reward; () = the train chains only.
+  # `SynthWikiRL.prefix_hops` gives it reward; () = the train chains only.
   prefix_hops: tuple[int, ...] = ()
   # Expert and SFT seed.
   seed: int = 0

@@ -89,6 +89,9 @@ class TrainConfig:
 
   # Stop once the policy version reaches this (a resumed run counts on).
   train_steps: int = 4
+  # Wall-clock budget of the training loop in seconds (steps end at the first one past it), for
+  # fixed-time runs like the quickstart; None: train_steps alone.
+  max_seconds: float | None = None
   # Checkpoint (and commit the consumed groups) every this many steps; 0 = never.
   checkpoint_every: int = 1
   # Fail if no batch of accepted groups arrives within this long.

@@ -13,15 +13,18 @@ import re
 
 import pytest
 
+from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.apps import long_dagger
 from asearcher_jax.apps import long_horizon as lh
 from asearcher_jax.apps import long_horizon_report as report
 from asearcher_jax.apps import long_warm_start as lws
 from asearcher_jax.apps import quickstart as qs
+from asearcher_jax.apps.train_config import AgentChoice, TrainConfig
 from asearcher_jax.apps.warm_start import WARM_START_OPTIMIZER, SFTStage
 from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model.sharding import MeshConfig
+from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki import chain_breaks
@@ -225,12 +228,18 @@ def test_plan_notes_list_the_relations_still_to_follow(tiny_world):
   assert checked >= len(qs_) // 2
 
 
+def with_agent(rl: TrainConfig, agent: AsearcherAgentConfig) -> TrainConfig:
+  """`rl` training (and the pipeline evaluating) `agent`."""
+  return dataclasses.replace(rl, agent=AgentChoice(name="asearcher", configs={"asearcher": agent}))
+
+
 def test_the_page_reading_warm_start_needs_the_snippet_agent():
   with pytest.raises(AsearcherError, match=r"read_pages is True but agent\.doc_sentences is 0"):
     lh.long_horizon(warm_start_dir=None, warm=lws.LongWarmStart(read_pages=True),
                     run_dir="/nonexistent/never-written")  # fmt: skip
   with pytest.raises(AsearcherError, match=r"read_pages is False but agent\.doc_sentences is 1"):
-    lh.long_horizon(warm_start_dir=None, agent=lh.PAGES_AGENT, run_dir="/nonexistent/x")
+    lh.long_horizon(warm_start_dir=None, rl=with_agent(lh.LONG_RL, lh.PAGES_AGENT),
+                    run_dir="/nonexistent/x")  # fmt: skip
 
 
 def test_the_warm_start_expert_gives_up_by_range_or_by_chance():
@@ -272,12 +281,19 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
     run_dir=str(run_dir), warm_start_dir=None, world=TINY_LONG, warm=warm,
     # Evaluated at T 0.5, RL at the default T 1.0 (ASearcher: Avg@4 at 0.6, training at 1.0).
     evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8, temperature=0.5),
-    rl=qs.QuickstartRL(seconds=1.0, batch_groups=1, group_size=4, max_concurrent=2,
-                       questions="train", batch_timeout_s=300.0, micro_rows=2, reward="smoke"),
-    agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=512, max_new_tokens=32),
-    engine=EngineConfig(
-      max_slots=8, max_seq_len=512, prefill_buckets=(512,), suffix_buckets=(256,)
+    rl=dataclasses.replace(
+      lh.LONG_RL, max_seconds=1.0, batch_timeout_s=300.0, reward="smoke",
+      staleness=StalenessConfig(batch_groups=1, max_staleness=4, max_concurrent=2),
+      engine=EngineConfig(
+        max_slots=8, max_seq_len=512, prefill_buckets=(512,), suffix_buckets=(256,)
+      ),
+      agent=AgentChoice(name="asearcher", configs={"asearcher": dataclasses.replace(
+        lh.LONG_AGENT, max_turns=7, max_tokens=512, max_new_tokens=32)}),
+      rollout=dataclasses.replace(lh.LONG_RL.rollout, group_size=4),
+      learner=dataclasses.replace(lh.LONG_RL.learner, ppo=dataclasses.replace(
+        lh.LONG_RL.ppo(), row_len=512, short_row_lens=(256,), micro_rows=2)),
     ),
+    pool=qs.SynthWikiRL(questions="train"),
     min_tool_calls=3,
   )  # fmt: skip
   with pytest.raises(AsearcherError, match="max_turns >= 61"):
@@ -351,10 +367,12 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   pages = dataclasses.replace(
     stop, read_pages=True, max_attempts=4, init_from=str(shipped), ship_to=None, copy_drills=0
   )
-  agent = dataclasses.replace(common["agent"], doc_sentences=1, compact_search_results=False)
+  agent = dataclasses.replace(
+    qs.synthwiki_agent(common["rl"]), doc_sentences=1, compact_search_results=False
+  )
   pages_dir = tmp_path / "pages"
   # As on an accelerator lease: stop once the SFT has written its model, no evaluation, no card.
-  pages_run = {**common, "run_dir": str(pages_dir), "agent": agent}
+  pages_run = {**common, "run_dir": str(pages_dir), "rl": with_agent(common["rl"], agent)}
   assert (
     lh.long_horizon(**{**pages_run, "warm": dataclasses.replace(pages, stop_after_sft=True)}) == 0
   )

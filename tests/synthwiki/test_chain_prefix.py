@@ -76,7 +76,7 @@ def test_rl_pool_adds_the_prefixes_of_its_own_split(sw, tmp_path):
   assert {it.bucket for it in only} == {"chain-1"} and len(only) == len(chains)
   with pytest.raises(AsearcherError, match="needs the world"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(1,))
-  with pytest.raises(AsearcherError, match=r"QuickstartRL\.prefix_hops must be hop counts >= 1"):
+  with pytest.raises(AsearcherError, match=r"SynthWikiRL\.prefix_hops must be hop counts >= 1"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(0, 1), sw=sw)
   with pytest.raises(AsearcherError, match="no pooled chain is longer"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(9,), sw=sw)

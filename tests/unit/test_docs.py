@@ -115,9 +115,9 @@ def test_the_checks_see_what_the_docs_name():
   assert {"asearcher_jax/apps/", "gin/overlays/local_tiny.gin", "docs/measurements.md"} <= paths
   assert "asearcher_jax/serving/request.py" in paths  # from serving/{request,...}.py
   assert {"train", "serve-model", "warm-start"} <= set(SUBCOMMAND_RE.findall(text))
-  assert ("pipeline", "QuickstartRL", "*") in SELECTOR_RE.findall(text)
+  assert ("pipeline", "QuickstartEval", "*") in SELECTOR_RE.findall(text)
   assert not _exists("asearcher_jax/no_such_module.py")
-  assert not _selector_ok({"asearcher_jax.apps.quickstart"}, "QuickstartRL", "no_such_field")
+  assert not _selector_ok({"asearcher_jax.apps.quickstart"}, "SynthWikiRL", "no_such_field")
 
 
 @pytest.mark.parametrize("path", GIN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
