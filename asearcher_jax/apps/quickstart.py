@@ -367,8 +367,8 @@ class WorldStage:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoadStage:
   """The warm start loaded into the RL run of `rl` (built, not started), its tools on the
-  world's retrieval server; with `warmup`, every engine shape compiled now, so evaluation times
-  are not compile times."""
+  world's retrieval server; with `warmup_temperatures`, every engine shape compiled now, so
+  evaluation times are not compile times."""
 
   name: str = "load"
   estimate_s: float = 20.0
