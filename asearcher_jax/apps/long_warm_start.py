@@ -22,7 +22,6 @@ from typing import Any
 from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.apps import invocation, long_dagger
 from asearcher_jax.apps import long_horizon_report as lh_report
-from asearcher_jax.apps import sft as sft_commands
 from asearcher_jax.apps.quickstart import QuickstartEval, model_dir_id
 from asearcher_jax.apps.warm_start import SFTStage, evaluate_model_dir, ship
 from asearcher_jax.apps.world import WorldFiles, expert_trajectories, prepare_world
@@ -133,13 +132,11 @@ def make_warm_start(
   paths = [str(data)]
   if warm.copy_drills:
     paths.append(str(write_copy_drills(root, sw, files, data, warm, questions)))
-  sft_commands.sft(
-    trajectories=paths, out_dir=str(root / "sft"),
+  warm.sft.run(
+    paths, root / "sft",
     policy=PolicyConfig(
       model_dir=warm.init_from, tokenizer_dir=str(files.tokenizer), seed=warm.seed
     ),
-    scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
-    mesh=warm.sft.mesh,
     name="SynthWiki long-horizon warm start (asearcher long-horizon)",
   )  # fmt: skip
   model_dir = long_dagger.run_rounds(
