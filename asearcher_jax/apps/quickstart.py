@@ -228,7 +228,8 @@ class QuickstartEval:
   k: int = 4
   # Questions evaluated at once.
   concurrency: int = 32
-  # Evaluation seed (runs use seed + r); RL's is `RolloutConfig.seed`.
+  # Evaluation seed (runs use seed + r); RL's is `RolloutConfig.seed` (the recipes bind both to
+  # their SEED macro).
   seed: int = 0
   # Sampling temperature of the held-out evaluations; None: the RL temperature (the quickstart
   # measures the policy RL samples). ASearcher trains at 1.0 and reports Avg@4 at 0.6.

@@ -2,7 +2,9 @@
 
 Each part keeps its own library defaults (EngineConfig, DriverConfig, ...); the CPU-sized values
 of the smoke run live in one place, gin/runs/train.gin, which binds every part, so a single
-binding (`staleness.StalenessConfig.max_staleness = 0`) changes one thing. `build_run` combines
+binding (`staleness.StalenessConfig.max_staleness = 0`) changes one thing. Every program that
+runs RL takes one (the quickstart's and long-horizon's `rl`, bound the same way in their
+recipes), so a knob has the same name in each. `build_run` combines
 the config with the runtime objects (policy, questions).
 """
 

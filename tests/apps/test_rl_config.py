@@ -1,7 +1,7 @@
 """The quickstart's and the long-horizon pipeline's RL runs are `TrainConfig`s bound in gin, as
 `asearcher train`'s is: each knob has one name. The values asserted here are the ones the
-pipelines' own RL config (QuickstartRL, before 2026-12-01) derived; a change of them is a change of
-the experiments (docs/measurements.md), not of the configuration's shape."""
+pipelines' own flat RL config derived until 2026-12-01 (then copied into a TrainConfig by hand); a
+change of them is a change of the experiments (docs/measurements.md), not of the configuration."""
 
 from __future__ import annotations
 
@@ -168,3 +168,11 @@ def test_quickstart_help_lists_the_rl_parameters_as_train_help_does():
   assert by_class(quick) == by_class(train)
   assert by_class(long) == by_class(train)
   assert "max_seconds" in train["train_config.TrainConfig"]
+
+
+@pytest.mark.parametrize("subcommand, files", [("quickstart", QUICKSTART), ("long-horizon", LONG)])
+def test_one_seed_is_the_evaluations_and_the_rollouts(monkeypatch, subcommand, files):
+  """As when the evaluation's seed was also the RL's, a second seed of a recipe reseeds the
+  evaluations and the RL rollouts together: one binding, SEED."""
+  args = pipeline_args(monkeypatch, subcommand, files, ["SEED = 1"])
+  assert args["evaluation"].seed == args["rl"].rollout.seed == args["rl"].seed == 1
