@@ -75,7 +75,7 @@ def test_the_quickstart_gin_file_binds_the_rl_the_quickstart_ran(monkeypatch):
   args = pipeline_args(monkeypatch, "quickstart", QUICKSTART)
   rl = args["rl"]
   assert rl == quickstart_rl(max_seconds=420.0, ppo=QUICKSTART_PPO)
-  # The parts named one by one (what the old code derived from QuickstartRL and the engine).
+  # The parts named one by one (what the old code derived from its flat fields and the engine).
   assert rl.engine == qs.QUICKSTART_ENGINE
   assert (rl.ppo().row_len, rl.ppo().short_row_lens, rl.ppo().micro_rows) == (2048, (1024,), 4)
   assert rl.ppo().row_buckets == qs.LEARNER_ROW_BUCKETS
