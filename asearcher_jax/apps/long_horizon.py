@@ -10,9 +10,9 @@ answers with a guess. Stages:
               on the train split, `asearcher sft` from scratch on them under run_dir/warm_start
               (resumes from its checkpoints), its held-out evaluation by hop count and a model
               card (`long_warm_start`), copied to `LongWarmStart.ship_to` when set;
-  quickstart  the quickstart's stages unchanged (world, load, eval_sft, rl, eval_rl, report) with
-              this world, agent budgets (>= 30 tool calls fit: search results are compacted after
-              their read turn) and engine;
+  quickstart  the quickstart's stages unchanged (`quickstart.rl_stages`: world, load, eval_sft,
+              rl, eval_rl, report) with this world and RL run (`rl`, a TrainConfig: its agent's
+              budgets fit >= 30 tool calls, search results compacted after their read turn);
   report      `long_horizon_report`: accuracy and tool calls by hop count before and after RL,
               the per-step distribution of tool calls per training trajectory, per-length-bucket
               staleness and acceptance, turn/token-limit hits, the issue's bars; summary.json.
