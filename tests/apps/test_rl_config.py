@@ -176,3 +176,28 @@ def test_one_seed_is_the_evaluations_and_the_rollouts(monkeypatch, subcommand, f
   evaluations and the RL rollouts together: one binding, SEED."""
   args = pipeline_args(monkeypatch, subcommand, files, ["SEED = 1"])
   assert args["evaluation"].seed == args["rl"].rollout.seed == args["rl"].seed == 1
+
+
+def test_train_honours_the_time_budget(monkeypatch, tmp_path):
+  """`asearcher train` trains to `max_seconds` as the quickstart does (the same field)."""
+  from types import SimpleNamespace
+
+  from asearcher_jax.apps import train as train_lib
+
+  budgets = []
+
+  def fake_run(*, max_seconds=None, on_step=None):
+    budgets.append(max_seconds)
+    return {}
+
+  run = SimpleNamespace(
+    start=lambda **kw: None, close=lambda: None, learner=SimpleNamespace(version=0),
+    trainer=SimpleNamespace(run=fake_run, trained_ids=[]),
+  )  # fmt: skip
+  monkeypatch.setattr(train_lib, "build_run", lambda *a, **kw: run)
+  monkeypatch.setattr(train_lib.wiring, "policy", lambda **kw: None)
+  monkeypatch.setattr(train_lib, "load_training_qa", lambda *a, **kw: [])
+  for budget in (None, 30.0):
+    config = TrainConfig(max_seconds=budget)
+    assert train_lib.train(config=config, run_dir=str(tmp_path)) == 0
+  assert budgets == [None, 30.0]
