@@ -9,7 +9,7 @@ answers with a guess. Stages:
               `warm_start_dir` None: the world, the giving-up expert's token-exact trajectories
               on the train split, `asearcher sft` from scratch on them under run_dir/warm_start
               (resumes from its checkpoints), its held-out evaluation by hop count and a model
-              card (`long_warm_start`), copied to `LongWarmStart.ship_to` when set;
+              card (`LongWarmStart.run`), copied to `LongWarmStart.ship_to` when set;
   quickstart  the quickstart's stages unchanged (`quickstart.rl_stages`: world, load, eval_sft,
               rl, eval_rl, report) with this world and RL run (`rl`, a TrainConfig: its agent's
               budgets fit >= 30 tool calls, search results compacted after their read turn);
@@ -32,7 +32,7 @@ from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.apps import invocation, long_warm_start
 from asearcher_jax.apps import long_horizon_report as lh_report
 from asearcher_jax.apps import quickstart as qs
-from asearcher_jax.apps.long_warm_start import LongWarmStart, make_warm_start
+from asearcher_jax.apps.long_warm_start import LongWarmStart
 from asearcher_jax.apps.train_config import AgentChoice, TrainConfig
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.serving.engine import EngineConfig
@@ -195,24 +195,14 @@ def long_horizon(
       f"{agent.doc_sentences}: an expert opens pages exactly when search shows snippets"
     )
   if warm_start_dir is None:
-    model_dir, expert_stats, files = make_warm_start(
-      root / "warm_start", world, warm, agent, engine=engine, temperature=temperature
-    )
-    if warm.stop_after_sft:
-      print(json.dumps({"warm_start_model": str(model_dir), "expert": expert_stats}), flush=True)
-      return 0
-    warm_start_dir = str(model_dir)
-    card = long_warm_start.evaluate_card(
-      root, model_dir, files, world=world, warm=warm, expert_stats=expert_stats,
-      evaluation=evaluation, temperature=evaluation.eval_temperature(temperature), agent=agent,
-      engine=engine, long_hops=long_hops,
+    made = warm.run(
+      root, world=world, agent=agent, engine=engine, temperature=temperature,
+      evaluation=evaluation, long_hops=long_hops,
     )  # fmt: skip
-    dest = Path(warm.ship_to) if warm.ship_to else None
-    long_warm_start.write_and_ship(root / "warm_start", model_dir, card, dest)
-    if warm.stop_after_card:
-      keys = ("avg_em", "pass_em", "tool_calls", "long", "data_sha256", "world_digest")
-      print(json.dumps({k: card[k] for k in keys}), flush=True)
+    if made.stopped is not None:
+      print(json.dumps(made.stopped), flush=True)
       return 0
+    warm_start_dir, expert_stats = str(made.model_dir), made.expert_stats
   stages = qs.rl_stages(world=world, evaluation=evaluation, rl=rl, pool=pool)
   qs.print_summary(root, qs.run_stages(root, qs.warm_start_path(warm_start_dir), stages))
   summary = lh_report.build(root, long_hops=long_hops, doc_sentences=agent.doc_sentences)

@@ -93,6 +93,52 @@ class LongWarmStart:
   # The gin file that makes this warm start: the card's "Reproduce" command names it.
   recipe: str = "gin/experiments/long_horizon_warm_start.gin"
 
+  def run(
+    self,
+    root: Path,
+    *,
+    world: SynthWikiConfig,
+    agent: AsearcherAgentConfig,
+    engine: EngineConfig,
+    temperature: float,
+    evaluation: QuickstartEval,
+    long_hops: int,
+  ) -> MadeWarmStart:
+    """The warm-start stage of `asearcher long-horizon` in root/warm_start (resumable): the
+    expert's trajectories, the SFT and its DAgger rounds (`make_warm_start`), then (unless
+    `stop_after_sft`) its held-out evaluation by hop count and its card, shipped to `ship_to`."""
+    model_dir, expert_stats, files = make_warm_start(
+      root / "warm_start", world, self, agent, engine=engine, temperature=temperature
+    )
+    if self.stop_after_sft:
+      stopped = {"warm_start_model": str(model_dir), "expert": expert_stats}
+      return MadeWarmStart(model_dir=model_dir, expert_stats=expert_stats, stopped=stopped)
+    card = evaluate_card(
+      root, model_dir, files, world=world, warm=self, expert_stats=expert_stats,
+      evaluation=evaluation, temperature=evaluation.eval_temperature(temperature), agent=agent,
+      engine=engine, long_hops=long_hops,
+    )  # fmt: skip
+    dest = Path(self.ship_to) if self.ship_to else None
+    write_and_ship(root / "warm_start", model_dir, card, dest)
+    stopped = None
+    if self.stop_after_card:
+      keys = ("avg_em", "pass_em", "tool_calls", "long", "data_sha256", "world_digest")
+      stopped = {k: card[k] for k in keys}
+    return MadeWarmStart(model_dir=model_dir, expert_stats=expert_stats, stopped=stopped)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MadeWarmStart:
+  """What the warm-start stage made."""
+
+  # The model directory RL starts from.
+  model_dir: Path
+  # The expert's statistics (trajectories, mean reward, ...).
+  expert_stats: dict[str, float]
+  # Set when the pipeline stops here (`stop_after_sft`, `stop_after_card`): the JSON line it
+  # prints.
+  stopped: dict[str, Any] | None = None
+
 
 def warm_start_expert(warm: LongWarmStart) -> ExpertConfig:
   """The giving-up expert `warm` describes: its imperfection level, then its give-up rules."""
