@@ -20,7 +20,6 @@ from pathlib import Path
 
 from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.agent.trajectory import Trajectory
-from asearcher_jax.apps import sft as sft_commands
 from asearcher_jax.apps.quickstart import QuickstartEval
 from asearcher_jax.apps.warm_start import SFTStage, evaluate_model_dir
 from asearcher_jax.apps.world import WorldFiles
@@ -150,11 +149,9 @@ def run_round(
     write_trajectories(done.trajectories, fixed.with_suffix(".tmp"))
     fixed.with_suffix(".tmp").rename(fixed)
   all_fixed = [*corrections, str(fixed)]
-  sft_commands.sft(
-    trajectories=[*data_paths, *(p for p in all_fixed for _ in range(stage.repeat))],
-    out_dir=str(root / "sft"),
+  stage.sft.run(
+    [*data_paths, *(p for p in all_fixed for _ in range(stage.repeat))], root / "sft",
     policy=PolicyConfig(model_dir=str(model_dir), tokenizer_dir=str(files.tokenizer), seed=seed),
-    config=stage.sft.config, optimizer=stage.sft.optimizer, mesh=stage.sft.mesh,
     name=f"SynthWiki long-horizon warm start, expert relabelling {root.name}",
   )  # fmt: skip
   return root / "sft" / "model", fixed

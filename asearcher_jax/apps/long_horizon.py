@@ -9,10 +9,10 @@ answers with a guess. Stages:
               `warm_start_dir` None: the world, the giving-up expert's token-exact trajectories
               on the train split, `asearcher sft` from scratch on them under run_dir/warm_start
               (resumes from its checkpoints), its held-out evaluation by hop count and a model
-              card (`long_warm_start`), copied to `LongWarmStart.ship_to` when set;
-  quickstart  the quickstart's stages unchanged (world, load, eval_sft, rl, eval_rl, report) with
-              this world, agent budgets (>= 30 tool calls fit: search results are compacted after
-              their read turn) and engine;
+              card (`LongWarmStart.run`), copied to `LongWarmStart.ship_to` when set;
+  quickstart  the quickstart's stages unchanged (`quickstart.rl_stages`: world, load, eval_sft,
+              rl, eval_rl, report) with this world and RL run (`rl`, a TrainConfig: its agent's
+              budgets fit >= 30 tool calls, search results compacted after their read turn);
   report      `long_horizon_report`: accuracy and tool calls by hop count before and after RL,
               the per-step distribution of tool calls per training trajectory, per-length-bucket
               staleness and acceptance, turn/token-limit hits, the issue's bars; summary.json.
@@ -29,20 +29,14 @@ from pathlib import Path
 
 from asearcher_jax import metric_writer
 from asearcher_jax.agent import AsearcherAgentConfig
-from asearcher_jax.apps import invocation, long_dagger, long_warm_start
+from asearcher_jax.apps import invocation, long_warm_start
 from asearcher_jax.apps import long_horizon_report as lh_report
 from asearcher_jax.apps import quickstart as qs
-from asearcher_jax.apps import sft as sft_commands
-from asearcher_jax.apps.warm_start import SFTStage
-from asearcher_jax.apps.world import WorldFiles, expert_trajectories, prepare_world
-from asearcher_jax.errors import AsearcherError, ConfigValueError
-from asearcher_jax.model.loading import PolicyConfig
+from asearcher_jax.apps.long_warm_start import LongWarmStart
+from asearcher_jax.apps.train_config import AgentChoice, TrainConfig
+from asearcher_jax.errors import AsearcherError
 from asearcher_jax.serving.engine import EngineConfig
-from asearcher_jax.synthwiki import copy_drills
-from asearcher_jax.synthwiki.expert import ExpertConfig, read_trajectories, write_trajectories
-from asearcher_jax.synthwiki.questions import SynthQuestion, chain_prefixes
-from asearcher_jax.synthwiki.wiki import SynthWiki, SynthWikiConfig
-from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.synthwiki.wiki import SynthWikiConfig
 
 # 150 chain questions per hop count from 4 to 12 (~1,350, ~20 % test), shuffled so that the first
 # evaluated test questions mix every length; hops isolated (each needs its own search).
@@ -97,6 +91,11 @@ SNIPPETS_AGENT = dataclasses.replace(PAGES_AGENT, doc_sentences=3)
 PAGES_PLAN_AGENT = dataclasses.replace(PAGES_AGENT, max_new_tokens=96)
 
 
+def long_agent() -> AsearcherAgentConfig:
+  """`LONG_AGENT`, for gin."""
+  return LONG_AGENT
+
+
 def longer_world() -> SynthWikiConfig:
   """`LONGER_WORLD`, for gin."""
   return LONGER_WORLD
@@ -127,149 +126,27 @@ LONG_ENGINE = EngineConfig(
 )
 
 
-# The RL stage's defaults: the quickstart's, drawing the warm start's own (train) questions, with
-# two rows per learner pass and 1,024- or 2,048-token rows for minibatches that fit them.
-LONG_RL = qs.QuickstartRL(questions="train", micro_rows=2, short_row_lens=(1024, 2048))
-_QUICKSTART_SFT = SFTStage()
-_NO_DAGGER = long_dagger.DaggerStage()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LongWarmStart:
-  """The in-run warm start (with `warm_start_dir` None): SFT from scratch on the giving-up expert
-  (train split), then its held-out evaluation and model card."""
-
-  # Expert episodes per train question (each draws its own give-up point).
-  samples_per_question: int = 2
-  # The expert's other mistakes (`ExpertConfig.imperfect` level); 0: it only gives up.
-  imperfection: float = 0.0
-  # Hops after which the expert answers with a guess, uniform in [lo, hi] per episode; None: no
-  # fixed give-up point.
-  give_up_after_hops: tuple[int, int] | None = (2, 4)
-  # Per act turn before the chain is resolved, answer with a guess (a geometric give-up point: a
-  # k-hop chain is finished with probability about (1 - p_guess) ** k); 0: the imperfection's.
-  p_guess: float = 0.0
-  # Copy drills per expert trajectory (`synthwiki.copy_drills`: its first search turn with the
-  # start renamed to any entity, so held-out starts are copy targets too); 0: none.
-  copy_drills: int = 0
-  # The expert opens each hop's page after finding it (`ExpertConfig.read_pages`); the agent
-  # must show snippets (`doc_sentences`) for this to be a second tool call per hop.
-  read_pages: bool = False
-  # The expert's notes end with the chain's relations still to follow (`ExpertConfig.plan_notes`;
-  # the agent needs `PAGES_PLAN_AGENT`'s longer turns).
-  plan_notes: bool = False
-  # Tool calls for one hop before the expert guesses (search, search by name, open the page).
-  max_attempts: int = 3
-  # The expert also plays the first h hops of each train chain, for each h here
-  # (`questions.chain_prefix`), so that the warm start has seen short chains and an RL pool with
-  # `QuickstartRL.prefix_hops` gives it reward; () = the train chains only.
-  prefix_hops: tuple[int, ...] = ()
-  # Expert and SFT seed.
-  seed: int = 0
-  # Fine-tune this Hugging Face checkpoint (e.g. the shipped warm start, whose tokenizer is the
-  # world's) instead of training from scratch; None: from scratch (`sft.scratch`).
-  init_from: str | None = None
-  # The SFT run (from-scratch preset, steps, batch, AdamW): the quickstart warm start's recipe.
-  sft: SFTStage = _QUICKSTART_SFT
-  # Rounds of expert relabelling of the SFT model's own episodes after it (`long_dagger`).
-  dagger: long_dagger.DaggerStage = _NO_DAGGER
-  # Copy the made warm start and its card here (the default warm start's directory:
-  # asearcher_jax/assets/checkpoints/synthwiki_long_sft); None: keep it in the run directory.
-  ship_to: str | None = None
-  # Stop after the warm start's held-out evaluation and card (no RL).
-  stop_after_card: bool = False
-  # Stop as soon as the SFT has written its model, before the evaluation: for an accelerator
-  # lease, whose SFT checkpoint is brought back and evaluated here by re-running without it.
-  stop_after_sft: bool = False
-  # The gin file that makes this warm start: the card's "Reproduce" command names it.
-  recipe: str = "gin/experiments/long_horizon_warm_start.gin"
-
-
-def warm_start_expert(warm: LongWarmStart) -> ExpertConfig:
-  """The giving-up expert `warm` describes: its imperfection level, then its give-up rules."""
-  base = ExpertConfig.imperfect(warm.imperfection, seed=warm.seed)
-  return dataclasses.replace(
-    base,
-    give_up_after_hops=tuple(warm.give_up_after_hops) if warm.give_up_after_hops else None,
-    p_guess=warm.p_guess or base.p_guess,
-    read_pages=warm.read_pages,
-    max_attempts=warm.max_attempts,
-    plan_notes=warm.plan_notes,
-  )
-
-
-def make_warm_start(
-  root: Path,
-  world: SynthWikiConfig,
-  warm: LongWarmStart,
-  agent: AsearcherAgentConfig,
-  *,
-  engine: EngineConfig = LONG_ENGINE,
-  temperature: float = 1.0,
-) -> tuple[Path, dict[str, float], WorldFiles]:
-  """The giving-up expert's trajectories, an SFT on them, then `warm.dagger`'s rounds (all
-  resumable); returns the model directory, the expert's statistics and the world's files."""
-  sw, files = prepare_world(root.parent / "world", world)
-  data = root / "expert_trajectories.jsonl"
-  stats_path = root / "expert.json"
-  questions = expert_questions(sw, warm.prefix_hops)
-  if not stats_path.exists():
-    stats = expert_trajectories(
-      sw, files, data, questions=questions, expert=warm_start_expert(warm), agent_config=agent,
-      seed=warm.seed, samples_per_question=warm.samples_per_question,
-    )  # fmt: skip
-    root.mkdir(parents=True, exist_ok=True)
-    stats_path.write_text(json.dumps(stats) + "\n")
-  paths = [str(data)]
-  if warm.copy_drills:
-    paths.append(str(write_copy_drills(root, sw, files, data, warm, questions)))
-  sft_commands.sft(
-    trajectories=paths, out_dir=str(root / "sft"),
-    policy=PolicyConfig(
-      model_dir=warm.init_from, tokenizer_dir=str(files.tokenizer), seed=warm.seed
+# The RL run's defaults: the quickstart's with this engine and agent (rows of up to 3,072
+# tokens), two rows per learner pass and 1,024- or 2,048-token rows for minibatches that fit them
+# (4,096-token rows: 4.5 GB peak at two a pass, 7.9 GB at four); gin/experiments/long_horizon.gin
+# binds the same values part by part.
+LONG_RL = dataclasses.replace(
+  qs.QUICKSTART_RL,
+  engine=LONG_ENGINE,
+  agent=AgentChoice(name="asearcher", configs={"asearcher": LONG_AGENT}),
+  learner=dataclasses.replace(
+    qs.QUICKSTART_RL.learner,
+    ppo=dataclasses.replace(
+      qs.QUICKSTART_RL.ppo(), row_len=LONG_ENGINE.max_seq_len, short_row_lens=(1024, 2048),
+      micro_rows=2,
     ),
-    scratch=warm.sft.scratch, config=warm.sft.config, optimizer=warm.sft.optimizer,
-    mesh=warm.sft.mesh,
-    name="SynthWiki long-horizon warm start (asearcher long-horizon)",
-  )  # fmt: skip
-  model_dir = long_dagger.run_rounds(
-    root, root / "sft" / "model", sw=sw, files=files, expert=warm_start_expert(warm),
-    stage=warm.dagger, data_paths=paths, agent=agent, engine=engine, temperature=temperature,
-    seed=warm.seed,
-  )  # fmt: skip
-  return model_dir, json.loads(stats_path.read_text()), files
+  ),
+)  # fmt: skip
+# RL draws the warm start's own (train) questions: its expert never answered the long ones right.
+TRAIN_POOL = qs.SynthWikiRL(questions="train")
 
-
-def expert_questions(sw: SynthWiki, prefix_hops: tuple[int, ...]) -> list[SynthQuestion]:
-  """The expert's questions: the train split, then the first h hops of its chains for each h in
-  `prefix_hops` (those unique in the world)."""
-  if any(h < 1 for h in prefix_hops):
-    raise ConfigValueError(f"LongWarmStart.prefix_hops must be hop counts >= 1, got {prefix_hops}")
-  prefixes = chain_prefixes(sw.world, sw.train, prefix_hops, sw.world.config.question_style)
-  if prefix_hops and not prefixes:
-    raise AsearcherError(f"LongWarmStart.prefix_hops={prefix_hops}: no train chain is longer")
-  return sw.train + prefixes
-
-
-def write_copy_drills(
-  root: Path,
-  sw: SynthWiki,
-  files: WorldFiles,
-  data: Path,
-  warm: LongWarmStart,
-  questions: list[SynthQuestion],
-) -> Path:
-  """root/copy_drills.jsonl from the expert's trajectories in `data` on `questions` (written
-  once; resumable)."""
-  path = root / "copy_drills.jsonl"
-  if not path.exists():
-    drills = copy_drills.copy_drills(
-      read_trajectories(data), {q.id: q for q in questions}, sw.world,
-      Tokenizer.from_dir(files.tokenizer), per_trajectory=warm.copy_drills, seed=warm.seed,
-    )  # fmt: skip
-    write_trajectories(drills, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
-  return path
+# The in-run warm start's defaults (used with `warm_start_dir` None).
+IN_RUN_WARM_START = LongWarmStart()
 
 
 def long_horizon(
@@ -277,12 +154,10 @@ def long_horizon(
   run_dir: str = "runs/long_horizon",
   warm_start_dir: str | None = str(long_warm_start.LONG_WARM_START),
   world: SynthWikiConfig = LONG_WORLD,
-  warm: LongWarmStart = LongWarmStart(),
-  temperature: float = 1.0,
-  evaluation: qs.QuickstartEval = qs.QuickstartEval(),
-  rl: qs.QuickstartRL = LONG_RL,
-  agent: AsearcherAgentConfig = LONG_AGENT,
-  engine: EngineConfig = LONG_ENGINE,
+  warm: LongWarmStart = IN_RUN_WARM_START,
+  evaluation: qs.QuickstartEval = qs.DEFAULT_EVAL,
+  rl: TrainConfig = LONG_RL,
+  pool: qs.SynthWikiRL = TRAIN_POOL,
   long_hops: int = 6,
   min_tool_calls: int = 30,
 ) -> int:
@@ -294,21 +169,23 @@ def long_horizon(
       (`warm`), evaluated and given a card (run_dir/warm_start/model_card.md).
     world: the SynthWiki world (long, hop-isolated chains).
     warm: the in-run warm start (expert's give-up range, SFT recipe).
-    temperature: sampling temperature of RL (and of the evaluations, unless `evaluation`
-      names its own).
-    evaluation / rl: the quickstart's evaluation and RL stages.
-    agent / engine: the agent's budgets (must fit 30 tool calls) and the engine's context.
+    evaluation: the held-out evaluation (of the warm start's card, and before and after RL).
+    rl: the RL run, as `asearcher train` configures one; its agent's budgets (must fit
+      `min_tool_calls`), engine and sampling temperature are also the warm start's and the
+      evaluations' (unless `evaluation` names its own temperature).
+    pool: where RL draws its questions, and the reward's per-hop credit.
     long_hops: questions of at least this many hops are the "long" ones of the summary.
     min_tool_calls: tool calls the agent's turn and token limits must allow in one episode.
   """
   t0 = time.time()
+  agent, engine, temperature = qs.synthwiki_agent(rl), rl.engine, rl.temperature
   turns = 2 * min_tool_calls + 1  # an act and a read turn per tool call, then the answer
   tokens = PROMPT_TOKENS + TOKENS_PER_TOOL_CALL * min_tool_calls
   if agent.max_turns < turns or not tokens <= agent.max_tokens <= engine.max_seq_len:
     raise AsearcherError(
-      f"long_horizon.agent: {min_tool_calls} tool calls need max_turns >= {turns} (got "
+      f"long_horizon: {min_tool_calls} tool calls need the agent's max_turns >= {turns} (got "
       f"{agent.max_turns}) and max_tokens >= {tokens} (got {agent.max_tokens}), within "
-      f"engine.max_seq_len {engine.max_seq_len}"
+      f"the engine's max_seq_len {engine.max_seq_len}"
     )
   root = Path(run_dir)
   expert_stats = None
@@ -318,28 +195,16 @@ def long_horizon(
       f"{agent.doc_sentences}: an expert opens pages exactly when search shows snippets"
     )
   if warm_start_dir is None:
-    model_dir, expert_stats, files = make_warm_start(
-      root / "warm_start", world, warm, agent, engine=engine, temperature=temperature
-    )
-    if warm.stop_after_sft:
-      print(json.dumps({"warm_start_model": str(model_dir), "expert": expert_stats}), flush=True)
-      return 0
-    warm_start_dir = str(model_dir)
-    card = long_warm_start.evaluate_card(
-      root, model_dir, files, world=world, warm=warm, expert_stats=expert_stats,
-      evaluation=evaluation, temperature=evaluation.eval_temperature(temperature), agent=agent,
-      engine=engine, long_hops=long_hops,
+    made = warm.run(
+      root, world=world, agent=agent, engine=engine, temperature=temperature,
+      evaluation=evaluation, long_hops=long_hops,
     )  # fmt: skip
-    dest = Path(warm.ship_to) if warm.ship_to else None
-    long_warm_start.write_and_ship(root / "warm_start", model_dir, card, dest)
-    if warm.stop_after_card:
-      keys = ("avg_em", "pass_em", "tool_calls", "long", "data_sha256", "world_digest")
-      print(json.dumps({k: card[k] for k in keys}), flush=True)
+    if made.stopped is not None:
+      print(json.dumps(made.stopped), flush=True)
       return 0
-  qs.quickstart(
-    run_dir=str(root), warm_start_dir=warm_start_dir, world=world, temperature=temperature,
-    evaluation=evaluation, rl=rl, agent=agent, engine=engine,
-  )  # fmt: skip
+    warm_start_dir, expert_stats = str(made.model_dir), made.expert_stats
+  stages = qs.rl_stages(world=world, evaluation=evaluation, rl=rl, pool=pool)
+  qs.print_summary(root, qs.run_stages(root, qs.warm_start_path(warm_start_dir), stages))
   summary = lh_report.build(root, long_hops=long_hops, doc_sentences=agent.doc_sentences)
   summary.update(
     command=invocation.command("asearcher long-horizon (called from Python)"),

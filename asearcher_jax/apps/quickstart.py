@@ -20,6 +20,7 @@ continues from its last checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax import metric_writer
-from asearcher_jax.agent import AsearcherAgentConfig, Limits
+from asearcher_jax.agent import AsearcherAgentConfig, Limits, registry
 from asearcher_jax.agent.registry import agent_factory
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.apps import invocation, wiring
 from asearcher_jax.apps import quickstart_report as report
 from asearcher_jax.apps import train as rl_commands
-from asearcher_jax.apps.stages import StageTracker
+from asearcher_jax.apps.stages import PipelineStage, Stage, StageTracker
 from asearcher_jax.apps.train_config import AgentChoice, LearnerConfig, TrainConfig
 from asearcher_jax.apps.world import RetrievalThread, WorldFiles, prepare_world
 from asearcher_jax.data.qa import QAExample, load_qa_file, load_training_qa
@@ -173,10 +174,10 @@ def rl_pool(
   prefix_hops: tuple[int, ...] = (),
   sw: SynthWiki | None = None,
 ) -> list[QAExample]:
-  """The RL question pool (see `QuickstartRL.questions`): "train", or "heldout" = the test
+  """The RL question pool (see `SynthWikiRL.questions`): "train", or "heldout" = the test
   split after its first eval_questions (the evaluated ones), disjoint from both the warm start's
   training questions and the evaluation; with `prefix_hops`, also the first h hops of each
-  pooled chain (`QuickstartRL.prefix_hops`; needs the world `sw`); only questions of `kinds`
+  pooled chain (`SynthWikiRL.prefix_hops`; needs the world `sw`); only questions of `kinds`
   (QAExample.bucket) if given."""
   if which == "train":
     items = load_training_qa(files.train)
@@ -184,11 +185,11 @@ def rl_pool(
     items = load_training_qa(files.test)[eval_questions:] if eval_questions is not None else []
     if not items:
       raise AsearcherError(
-        "QuickstartRL.questions='heldout' needs test questions beyond the evaluated ones: set "
-        "QuickstartEval.questions below the test split's size, or QuickstartRL.questions='train'"
+        "SynthWikiRL.questions='heldout' needs test questions beyond the evaluated ones: set "
+        "QuickstartEval.questions below the test split's size, or SynthWikiRL.questions='train'"
       )
   else:
-    raise ConfigValueError(f"QuickstartRL.questions must be 'heldout' or 'train', got {which!r}")
+    raise ConfigValueError(f"SynthWikiRL.questions must be 'heldout' or 'train', got {which!r}")
   if prefix_hops:
     if sw is None:
       raise AsearcherError("rl_pool: prefix_hops needs the world (sw)")
@@ -207,12 +208,12 @@ def prefix_pool(
   """The first h hops of every chain among `items`, for each h in `hops` (longer chains only,
   each checked unique), written to `path` (QA jsonl) and read back as RL questions."""
   if any(h < 1 for h in hops):
-    raise ConfigValueError(f"QuickstartRL.prefix_hops must be hop counts >= 1, got {hops}")
+    raise ConfigValueError(f"SynthWikiRL.prefix_hops must be hop counts >= 1, got {hops}")
   ids = {it.id for it in items}
   pooled = [q for q in sw.questions if q.id in ids]
   made = chain_prefixes(sw.world, pooled, hops, sw.world.config.question_style)
   if not made:
-    raise AsearcherError(f"QuickstartRL.prefix_hops={hops}: no pooled chain is longer than that")
+    raise AsearcherError(f"SynthWikiRL.prefix_hops={hops}: no pooled chain is longer than that")
   write_questions(made, path)
   return load_training_qa(path)
 
@@ -227,7 +228,8 @@ class QuickstartEval:
   k: int = 4
   # Questions evaluated at once.
   concurrency: int = 32
-  # Evaluation seed (runs use seed + r); also the RL rollout's seed.
+  # Evaluation seed (runs use seed + r); RL's is `RolloutConfig.seed` (the recipes bind both to
+  # their SEED macro).
   seed: int = 0
   # Sampling temperature of the held-out evaluations; None: the RL temperature (the quickstart
   # measures the policy RL samples). ASearcher trains at 1.0 and reports Avg@4 at 0.6.
@@ -248,30 +250,11 @@ class QuickstartEval:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class QuickstartRL:
-  """The asynchronous RL stage (figures behind the defaults: docs/measurements.md)."""
+class SynthWikiRL:
+  """What an RL run on a SynthWiki world needs beside its `TrainConfig`: the question pool it
+  draws from and the per-hop credit of its reward (both need the world's questions, which
+  `TrainConfig` knows nothing of)."""
 
-  # Wall-clock budget (steps end at the first one past it).
-  seconds: float = 420.0
-  # Upper bound on RL steps.
-  max_steps: int = 1000
-  # B, groups per step.
-  batch_groups: int = 2
-  # n, episodes per group.
-  group_size: int = 8
-  # eta, the staleness bound.
-  max_staleness: int = 4
-  # Groups in flight at once.
-  max_concurrent: int = 12
-  # AdamW learning rate of the learner.
-  learning_rate: float = 1e-4
-  # Optimizer steps per pass over an RL batch (split into minibatches).
-  ppo_minibatches: int = 1
-  # Passes over each RL batch (all clipped around the pre-step policy).
-  ppo_epochs: int = 1
-  # Draw questions through the learnability curriculum (`rl.cursors`): kinds whose recent groups
-  # were all-equal are sampled less.
-  curriculum: bool = False
   # Where RL draws its questions: "heldout" (the test split minus the evaluated questions: seen
   # by neither the warm start nor the evaluation) or "train" (the warm start's SFT questions,
   # where reward partly comes from recalling memorised answers).
@@ -282,21 +265,6 @@ class QuickstartRL:
   # 3)): shorter chains through the same pages, so a policy that cannot yet finish the long ones
   # still meets groups of mixed reward; () = the pool as is.
   prefix_hops: tuple[int, ...] = ()
-  # In-flight keys/values on a weight update (`DriverConfig.kv_on_update`): "recompute" | "keep".
-  kv_on_update: str = "recompute"
-  # Re-prefill in-flight slots grouped by bucket on a weight update (`DriverConfig.batch_reprefill`);
-  # False is one call per slot, the engine's setting before 2026-11-26 (for side-by-side runs).
-  batch_reprefill: bool = True
-  # Fail the stage if no batch of accepted groups arrives within this long.
-  batch_timeout_s: float = 900.0
-  # The RL reward (`TrainConfig.reward`): "answer" (the ASearcher F1 reward) or "smoke" (the
-  # even-token fraction: a signal for an untrained policy, for plumbing tests only).
-  reward: str = "answer"
-  # Rows per learner forward/backward pass (`PPOConfig.micro_rows`): memory against step time.
-  micro_rows: int = 4
-  # Shorter learner rows a minibatch packs into when its longest sequence fits
-  # (`PPOConfig.short_row_lens`); None: half the engine's context.
-  short_row_lens: tuple[int, ...] | None = None
   # Weight of per-hop credit in the RL reward (`rl.scoring.progress_scorer`): (1 - w) x the answer
   # reward + w x the fraction of a chain's hops searched right before its first wrong search
   # (`synthwiki.chain_breaks.hops_searched`). 0: the ASearcher reward alone.
@@ -304,133 +272,214 @@ class QuickstartRL:
 
   def __post_init__(self) -> None:
     if not 0 <= self.hop_credit < 1:
-      raise ConfigValueError(f"QuickstartRL.hop_credit must be in [0, 1) (got {self.hop_credit})")
+      raise ConfigValueError(f"SynthWikiRL.hop_credit must be in [0, 1) (got {self.hop_credit})")
     if self.hop_credit and self.prefix_hops:
       raise ConfigValueError(
-        "QuickstartRL.hop_credit does not credit prefix_hops questions: use one"
+        "SynthWikiRL.hop_credit does not credit prefix_hops questions: use one"
       )
 
 
-def quickstart(
-  *,
-  run_dir: str = "runs/quickstart",
-  warm_start_dir: str | None = None,
-  world: SynthWikiConfig = QUICKSTART_WORLD,
-  temperature: float = 1.0,
-  evaluation: QuickstartEval = QuickstartEval(),
-  rl: QuickstartRL = QuickstartRL(),
-  agent: AsearcherAgentConfig = QUICKSTART_AGENT,
-  engine: EngineConfig = QUICKSTART_ENGINE,
-) -> int:
-  """Runs the quickstart; prints the before/after table and a JSON summary as the last line.
+# The quickstart's RL run (figures behind the values: docs/measurements.md, "The quickstart's RL
+# stage"); gin/experiments/quickstart.gin binds the same values part by part. B = 2 groups of
+# n = 8, eta = 4, 12 groups in flight, 420 s. Learner: micro_rows=4 (a minibatch of 8 rows of
+# 2,048 tokens needed ~5 GB of XLA:CPU temporaries in one pass, peak RSS 7.9-8.0 GB; 4-row passes
+# ~2 GB); rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
+# the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
+QUICKSTART_RL = TrainConfig(
+  train_steps=1000, max_seconds=420.0, batch_timeout_s=900.0, reward="answer", temperature=1.0,
+  staleness=StalenessConfig(batch_groups=2, max_staleness=4, max_concurrent=12),
+  engine=QUICKSTART_ENGINE,
+  driver=DriverConfig(request_timeout_s=600.0),
+  agent=AgentChoice(name="asearcher", configs={"asearcher": QUICKSTART_AGENT}),
+  rollout=RolloutConfig(group_size=8, episode_timeout_s=600.0, seed=0),
+  learner=LearnerConfig(
+    ppo=PPOConfig(
+      row_len=QUICKSTART_ENGINE.max_seq_len, short_row_lens=(QUICKSTART_ENGINE.max_seq_len // 2,),
+      row_buckets=LEARNER_ROW_BUCKETS, micro_rows=4,
+    ),
+    optimizer=steps.OptimizerConfig(learning_rate=1e-4, weight_decay=0.0),
+  ),
+)  # fmt: skip
+# The quickstart's question pool: the held-out questions it does not evaluate, no hop credit.
+HELDOUT_POOL = SynthWikiRL()
+DEFAULT_EVAL = QuickstartEval()
 
-  Args:
-    run_dir: everything this run writes (world, evaluations, RL checkpoints/metrics, report).
-    warm_start_dir: an SFT model directory (config.json, safetensors, tokenizer); default: the
-      shipped SynthWiki warm start.
-    world: the SynthWiki world; must be the warm start's (checked through its tokenizer).
-    temperature: sampling temperature of RL, and of the evaluation unless it names its own.
-    evaluation: the held-out evaluation (questions, k, concurrency, seed, temperature).
-    rl: the RL stage (time budget, B, n, eta, learner, question pool).
-    agent / engine: the agent's budgets and the in-process engine's slots and context.
-  """
-  ev = evaluation
-  eval_temperature = ev.eval_temperature(temperature)
-  t0 = time.time()
-  root = Path(run_dir)
-  warm = Path(warm_start_dir) if warm_start_dir else DEFAULT_WARM_START
-  if not (warm / "config.json").exists():
-    raise AsearcherError(f"no warm start at {warm} (config.json missing)")
-  tracker = StageTracker([
-    ("world", 3), ("load", 20), ("eval_sft", 90), ("rl", rl.seconds + 30), ("eval_rl", 90),
-    ("report", 3),
-  ])  # fmt: skip
-  with tracker.stage("world"):
-    sw, files = prepare_world(root / "world", world)
-    check_tokenizer(files, warm)
-    rl_items = rl_pool(
-      files, rl.questions, ev.questions, rl.kinds, prefix_hops=tuple(rl.prefix_hops), sw=sw
+
+def synthwiki_agent(config: TrainConfig) -> AsearcherAgentConfig:
+  """The agent config of an RL run on SynthWiki (the evaluation harness runs the same agent)."""
+  if registry.ALIASES.get(config.agent.name, config.agent.name) != "asearcher":
+    raise ConfigValueError(
+      f"the SynthWiki pipelines train and evaluate the asearcher agent, not {config.agent.name!r}"
     )
-  addr_dir = root / "rl" / "retrieval_addrs"
-  with RetrievalThread(files.index, addr_dir=addr_dir) as server:
-    with tracker.stage("load"):
-      config = TrainConfig(
-        train_steps=rl.max_steps, batch_timeout_s=rl.batch_timeout_s, reward=rl.reward,
-        temperature=temperature, seed=ev.seed,
-        staleness=StalenessConfig(
-          batch_groups=rl.batch_groups, max_staleness=rl.max_staleness, max_concurrent=rl.max_concurrent
-        ),
-        engine=engine,
-        driver=DriverConfig(
-          request_timeout_s=600.0, kv_on_update=rl.kv_on_update, batch_reprefill=rl.batch_reprefill
-        ),
-        agent=AgentChoice(name="asearcher", configs={"asearcher": agent}),
-        tools=wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=(server.address,))),
-        rollout=RolloutConfig(
-          group_size=rl.group_size, episode_timeout_s=600.0, seed=ev.seed, curriculum=rl.curriculum
-        ),
-        learner=LearnerConfig(
-          # micro_rows=4: a minibatch of 8 rows of 2,048 tokens needed ~5 GB of XLA:CPU
-          # temporaries in one pass (peak RSS 7.9-8.0 GB in the quickstart); 4-row passes ~2 GB.
-          # Rows of 1,024 tokens unless a sequence is longer (99 % are not), in buckets of 4 rows:
-          # the same tokens as 2,048-token rows in power-of-two buckets at ~half the step time.
-          # LEARNER_ROW_BUCKETS: a long-horizon batch needs far more rows than the quickstart's.
-          ppo=PPOConfig(
-            row_len=engine.max_seq_len,
-            short_row_lens=(engine.max_seq_len // 2,) if rl.short_row_lens is None
-            else tuple(rl.short_row_lens),
-            row_buckets=LEARNER_ROW_BUCKETS,
-            temperature=max(temperature, 1e-6),
-            ppo_n_minibatches=rl.ppo_minibatches, ppo_epochs=rl.ppo_epochs, micro_rows=rl.micro_rows,
-          ),
-          optimizer=steps.OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=0.0),
-        ),
-      )  # fmt: skip
-      run = rl_commands.build_run(
-        config,
-        run_dir=str(root / "rl"),
-        policy=wiring.policy(model_dir=str(warm), tokenizer_dir=str(warm)),
-        items=rl_items,
-        scorer=hop_credit_scorer(sw.questions, rl.hop_credit) if rl.hop_credit else None,
-      )  # fmt: skip
-      # Compile every prefill/decode shape now, so evaluation times are not compile times.
-      if ev.engine_warmup:
-        modes = {"sample" if t > 0 else "greedy" for t in (temperature, eval_temperature)}
-        warm_s = run.engine.warmup(modes=tuple(sorted(modes)))
-        log.info("engine warmup: %.1f s", warm_s)
-    try:
-      common = dict(
-        client=run.driver, tokenizer=run.tokenizer, questions=files.test,
-        retrieval_address=server.address, k=ev.k, limit=ev.questions,
-        temperature=eval_temperature, agent=agent, concurrency=ev.concurrency, seed=ev.seed,
-      )  # fmt: skip
-      with tracker.stage("eval_sft"):
-        before = evaluate(**common, out_dir=root / "eval", policy=f"sft:{model_dir_id(warm)}")
-      with tracker.stage("rl") as st:
-        resumed = run.trainer.restore()
-        run.rollout.start()
-        run.rollout.add_closer(run.toolbox.close)
-        t_rl = time.perf_counter()
+  agent = config.agent.config
+  if not isinstance(agent, AsearcherAgentConfig):
+    raise ConfigValueError(
+      "the SynthWiki pipelines need TrainConfig.agent.configs['asearcher'] (an "
+      f"AsearcherAgentConfig), got {agent!r}"
+    )
+  return agent
 
-        def progress(m: dict[str, float]) -> None:
-          frac = (time.perf_counter() - t_rl) / max(rl.seconds, 1e-9)
-          st.update(frac, f"step {run.learner.version}, reward {m.get('rollout/reward', 0):.2f}")
 
-        run.trainer.run(max_seconds=rl.seconds, on_step=progress)
-        run.rollout.stop()
-      with tracker.stage("eval_rl"):
-        after = evaluate(
-          **common, out_dir=root / "eval", policy=f"rl:{root.resolve()}:v{run.learner.version}"
-        )
-      version = run.learner.version
-    finally:
-      run.close()
-  with tracker.stage("report"):
+@dataclasses.dataclass
+class PipelineState:
+  """What the stages of an RL pipeline hand each other (the world, the live RL run, scores);
+  `resources` closes the run and the retrieval server when the pipeline ends."""
+
+  root: Path
+  warm_start: Path
+  resources: contextlib.ExitStack
+  sw: SynthWiki | None = None
+  files: WorldFiles | None = None
+  items: list[QAExample] = dataclasses.field(default_factory=list)
+  server: RetrievalThread | None = None
+  run: rl_commands.TrainRun | None = None
+  scores: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+  resumed: int | None = None
+  summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorldStage:
+  """The SynthWiki world (corpus, tokenizer, BM25 index) checked against the warm start's
+  tokenizer, the RL question pool, and the world's retrieval server on 127.0.0.1."""
+
+  name: str = "world"
+  estimate_s: float = 3.0
+  # The world; must be the warm start's.
+  world: SynthWikiConfig
+  # The RL question pool.
+  pool: SynthWikiRL
+  # Held-out questions the evaluation takes (kept out of a "heldout" pool).
+  eval_questions: int | None
+
+  def run(self, state: PipelineState, stage: Stage) -> None:
+    state.sw, state.files = prepare_world(state.root / "world", self.world)
+    check_tokenizer(state.files, state.warm_start)
+    state.items = rl_pool(
+      state.files, self.pool.questions, self.eval_questions, self.pool.kinds,
+      prefix_hops=tuple(self.pool.prefix_hops), sw=state.sw,
+    )  # fmt: skip
+    addr_dir = state.root / "rl" / rl_commands.RETRIEVAL_ADDRS
+    state.server = state.resources.enter_context(
+      RetrievalThread(state.files.index, addr_dir=addr_dir)
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadStage:
+  """The warm start loaded into the RL run of `rl` (built, not started), its tools on the
+  world's retrieval server; with `warmup_temperatures`, every engine shape compiled now, so
+  evaluation times are not compile times."""
+
+  name: str = "load"
+  estimate_s: float = 20.0
+  # The RL run.
+  rl: TrainConfig
+  # The reward's per-hop credit (`SynthWikiRL.hop_credit`).
+  hop_credit: float = 0.0
+  # Compile the engine's shapes for these sampling temperatures; () = on first use.
+  warmup_temperatures: tuple[float, ...] = ()
+
+  def run(self, state: PipelineState, stage: Stage) -> None:
+    assert state.server is not None and state.sw is not None
+    tools = wiring.ToolsConfig(local=LocalRetrievalConfig(addresses=(state.server.address,)))
+    run = rl_commands.build_run(
+      dataclasses.replace(self.rl, tools=tools),
+      run_dir=str(state.root / "rl"),
+      policy=wiring.policy(model_dir=str(state.warm_start), tokenizer_dir=str(state.warm_start)),
+      items=state.items,
+      scorer=hop_credit_scorer(state.sw.questions, self.hop_credit) if self.hop_credit else None,
+    )  # fmt: skip
+    state.resources.callback(run.close)
+    state.run = run
+    if self.warmup_temperatures:
+      log.info("engine warmup: %.1f s", run.warmup(self.warmup_temperatures))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalStage:
+  """Avg@k / Pass@k of the RL run's current policy on the held-out questions (the warm start
+  before RL, the RL policy after it)."""
+
+  name: str
+  estimate_s: float = 90.0
+  # The held-out evaluation.
+  evaluation: QuickstartEval
+  # Its sampling temperature.
+  temperature: float
+  # The evaluated agent.
+  agent: AsearcherAgentConfig
+  # "sft": the warm start's weights; "rl": the RL run's latest version.
+  policy: str
+
+  def run(self, state: PipelineState, stage: Stage) -> None:
+    assert state.run is not None and state.files is not None and state.server is not None
+    ev, run = self.evaluation, state.run
+    if self.policy == "sft":
+      policy = f"sft:{model_dir_id(state.warm_start)}"
+    else:
+      policy = f"rl:{state.root.resolve()}:v{run.learner.version}"
+    state.scores[self.policy] = evaluate(
+      client=run.driver, tokenizer=run.tokenizer, questions=state.files.test,
+      retrieval_address=state.server.address, out_dir=state.root / "eval", policy=policy,
+      k=ev.k, limit=ev.questions, temperature=self.temperature, agent=self.agent,
+      concurrency=ev.concurrency, seed=ev.seed,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLStage:
+  """Fully asynchronous RL: the run started (`TrainRun.start`: restored from its checkpoint
+  when there is one), trained for `rl.max_seconds` or `rl.train_steps`, its rollouts stopped
+  so that the evaluation after it has the engine to itself."""
+
+  name: str = "rl"
+  # The RL run (its budget: max_seconds, train_steps).
+  rl: TrainConfig
+
+  @property
+  def estimate_s(self) -> float:
+    return (600.0 if self.rl.max_seconds is None else self.rl.max_seconds) + 30.0
+
+  def run(self, state: PipelineState, stage: Stage) -> None:
+    run = state.run
+    assert run is not None and run.rollout is not None
+    state.resumed = run.start()
+    budget = self.estimate_s - 30.0
+    t_rl = time.perf_counter()
+
+    def progress(m: dict[str, float]) -> None:
+      frac = (time.perf_counter() - t_rl) / max(budget, 1e-9)
+      stage.update(frac, f"step {run.learner.version}, reward {m.get('rollout/reward', 0):.2f}")
+
+    run.trainer.run(max_seconds=self.rl.max_seconds, on_step=progress)
+    run.rollout.stop()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportStage:
+  """summary.json, report.md and the training curves of the run."""
+
+  name: str = "report"
+  estimate_s: float = 3.0
+  # The RL run and its question pool (their settings the summary records).
+  rl: TrainConfig
+  pool: SynthWikiRL
+  # The evaluation's settings and temperature, and the world's seed.
+  evaluation: QuickstartEval
+  eval_temperature: float
+  world_seed: int
+
+  def run(self, state: PipelineState, stage: Stage) -> None:
+    assert state.files is not None and state.run is not None
+    state.resources.close()  # the run (its metrics flushed) and the server end first
+    root = state.root
+    before, after = state.scores["sft"], state.scores["rl"]
     rows = report.read_metrics(root / "rl" / "metrics" / "metrics.jsonl")
     curves = report.curves(rows)
     report.write_plots(curves, root / "report")
     tool_calls = curves["rollout/tool_calls"]
-    summary = {
+    state.summary = {
       "command": invocation.command("asearcher quickstart (called from Python)"),
       "avg4_sft": before["avg_em"], "avg4_rl": after["avg_em"],
       "pass4_sft": before["pass_em"], "pass4_rl": after["pass_em"],
@@ -439,27 +488,112 @@ def quickstart(
       "eval_turns_sft": before["turns"], "eval_turns_rl": after["turns"],
       "tool_calls_first_steps": report.window_mean(tool_calls, first=True),
       "tool_calls_last_steps": report.window_mean(tool_calls, first=False),
-      "rl_steps": version, "rl_resumed_from": resumed, "eta": rl.max_staleness,
-      "temperature_rl": temperature, "temperature_eval": eval_temperature,
-      "hop_credit": rl.hop_credit, "curriculum": rl.curriculum,
-      "k": ev.k, "num_test_questions": before["n"], "world_seed": world.seed,
-      "world_digest": files.digest, "warm_start": str(warm),
-      "stages": tracker.timings(),
-      "stages_peak_rss_mb": tracker.peak_rss(),
-      "wall_s": round(time.time() - t0, 1),
-      "peak_rss_mb": metric_writer.peak_rss_mb(),
+      "rl_steps": state.run.learner.version, "rl_resumed_from": state.resumed,
+      "eta": self.rl.staleness.max_staleness,
+      "temperature_rl": self.rl.temperature, "temperature_eval": self.eval_temperature,
+      "hop_credit": self.pool.hop_credit, "curriculum": self.rl.rollout.curriculum,
+      "k": self.evaluation.k, "num_test_questions": before["n"], "world_seed": self.world_seed,
+      "world_digest": state.files.digest, "warm_start": str(state.warm_start),
     }  # fmt: skip
-    out = root / "report"
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "report.md").write_text(report.format_markdown(summary))
-  print(report.format_markdown(summary))
-  print(f"report: {out}/report.md, summary.json, training.png; tensorboard --logdir {root}/rl")
-  print(json.dumps(summary), flush=True)
+
+
+def rl_stages(
+  *,
+  world: SynthWikiConfig,
+  evaluation: QuickstartEval,
+  rl: TrainConfig,
+  pool: SynthWikiRL,
+) -> list[PipelineStage]:
+  """The quickstart's stages from a warm start: world, load, eval_sft, rl, eval_rl, report (the
+  quickstart runs them alone; the long-horizon pipeline after its warm start)."""
+  agent = synthwiki_agent(rl)
+  eval_temperature = evaluation.eval_temperature(rl.temperature)
+  temperatures = (rl.temperature, eval_temperature) if evaluation.engine_warmup else ()
+  ev = dict(evaluation=evaluation, temperature=eval_temperature, agent=agent)
+  return [
+    WorldStage(world=world, pool=pool, eval_questions=evaluation.questions),
+    LoadStage(rl=rl, hop_credit=pool.hop_credit, warmup_temperatures=temperatures),
+    EvalStage(name="eval_sft", policy="sft", **ev),
+    RLStage(rl=rl),
+    EvalStage(name="eval_rl", policy="rl", **ev),
+    ReportStage(rl=rl, pool=pool, evaluation=evaluation, eval_temperature=eval_temperature,
+                world_seed=world.seed),
+  ]  # fmt: skip
+
+
+def run_stages(root: Path, warm_start: Path, stages: Sequence[PipelineStage]) -> dict[str, Any]:
+  """Runs `stages` in order under one progress display; returns the report stage's summary
+  (with the stages' timings and peak memory) after writing summary.json and report.md."""
+  t0 = time.time()
+  tracker = StageTracker([(s.name, s.estimate_s) for s in stages])
+  with contextlib.ExitStack() as resources:
+    state = PipelineState(root=root, warm_start=warm_start, resources=resources)
+    for s in stages:
+      with tracker.stage(s.name) as handle:
+        s.run(state, handle)
+        if s is stages[-1]:
+          _write_summary(state, tracker, t0)
+  return state.summary
+
+
+def _write_summary(state: PipelineState, tracker: StageTracker, t0: float) -> None:
+  summary = state.summary
+  summary.update(
+    stages=tracker.timings(), stages_peak_rss_mb=tracker.peak_rss(),
+    wall_s=round(time.time() - t0, 1), peak_rss_mb=metric_writer.peak_rss_mb(),
+  )  # fmt: skip
+  out = state.root / "report"
+  (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  (out / "report.md").write_text(report.format_markdown(summary))
+
+
+def quickstart(
+  *,
+  run_dir: str = "runs/quickstart",
+  warm_start_dir: str | None = None,
+  world: SynthWikiConfig = QUICKSTART_WORLD,
+  evaluation: QuickstartEval = DEFAULT_EVAL,
+  rl: TrainConfig = QUICKSTART_RL,
+  pool: SynthWikiRL = HELDOUT_POOL,
+) -> int:
+  """Runs the quickstart; prints the before/after table and a JSON summary as the last line.
+
+  Args:
+    run_dir: everything this run writes (world, evaluations, RL checkpoints/metrics, report).
+    warm_start_dir: an SFT model directory (config.json, safetensors, tokenizer); default: the
+      shipped SynthWiki warm start.
+    world: the SynthWiki world; must be the warm start's (checked through its tokenizer).
+    evaluation: the held-out evaluation (questions, k, concurrency, seed, temperature).
+    rl: the RL run, as `asearcher train` configures one (time budget, staleness, engine, agent,
+      rollout, learner, sampling temperature; its tools are the world's retrieval server).
+    pool: where RL draws its questions, and the reward's per-hop credit.
+  """
+  root = Path(run_dir)
+  warm = warm_start_path(warm_start_dir)
+  summary = run_stages(root, warm, rl_stages(world=world, evaluation=evaluation, rl=rl, pool=pool))
+  print_summary(root, summary)
   return 0
 
 
+def warm_start_path(warm_start_dir: str | None) -> Path:
+  """The warm start an RL pipeline starts from (default: the shipped SynthWiki one), checked."""
+  warm = Path(warm_start_dir) if warm_start_dir else DEFAULT_WARM_START
+  if not (warm / "config.json").exists():
+    raise AsearcherError(f"no warm start at {warm} (config.json missing)")
+  return warm
+
+
+def print_summary(root: Path, summary: dict[str, Any]) -> None:
+  """The before/after table, where the report is, and the summary as one JSON line."""
+  print(report.format_markdown(summary))
+  print(
+    f"report: {root}/report/report.md, summary.json, training.png; tensorboard --logdir {root}/rl"
+  )
+  print(json.dumps(summary), flush=True)
+
+
 def hop_credit_scorer(questions: Sequence[SynthQuestion], weight: float) -> Scorer:
-  """The RL reward with per-hop credit on the world's chain questions (`QuickstartRL.hop_credit`);
+  """The RL reward with per-hop credit on the world's chain questions (`SynthWikiRL.hop_credit`);
   other questions get the answer reward's share alone."""
   by_id = {q.id: q for q in questions}
 

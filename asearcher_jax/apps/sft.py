@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 from flax import nnx
@@ -114,6 +115,29 @@ def sft(
     export_dtype: dtype of the exported weights (None: each parameter's dtype as loaded).
     name: the model card's title.
   """
+  train_sft(
+    trajectories=trajectories, out_dir=out_dir, policy=policy, scratch=scratch, config=config,
+    optimizer=optimizer, mesh=mesh, precision=precision, export_dtype=export_dtype, name=name,
+  )  # fmt: skip
+  return 0
+
+
+def train_sft(
+  *,
+  trajectories: str | Sequence[str],
+  out_dir: str,
+  policy: PolicyConfig,
+  scratch: ScratchModel,
+  config: SFTConfig | None,
+  optimizer: steps.OptimizerConfig | None,
+  mesh: sharding_lib.MeshConfig,
+  precision: steps.PrecisionConfig,
+  export_dtype: str | None,
+  name: str | None,
+) -> dict[str, Any] | None:
+  """The SFT run of `sft` (see its arguments), shared by `asearcher sft` and the pipelines' SFT
+  stages (`warm_start.SFTStage.run`), so that no program calls another's entry point. Returns
+  the summary it wrote (None on a process other than the lead)."""
   t0 = time.time()
   config = config or SFTConfig()
   out = Path(out_dir)
@@ -183,7 +207,7 @@ def sft(
   finally:
     trainer.close()
   if not lead:
-    return 0
+    return None
 
   summary = {
     "name": name or f"sft-{cfg.model_type}-{cfg.num_params() / 1e6:.1f}m",
@@ -214,4 +238,4 @@ def sft(
   }
   export_lib.write_summary(out, summary)
   print(json.dumps({k: summary[k] for k in ("model_dir", "step", "final", "seconds")}), flush=True)
-  return 0
+  return summary

@@ -13,7 +13,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import TextIO
+from typing import Any, Protocol, TextIO
 
 from asearcher_jax import metric_writer
 
@@ -37,6 +37,19 @@ class Stage:
   def update(self, fraction: float, note: str = "") -> None:
     self.fraction = min(max(float(fraction), 0.0), 1.0)
     self._tracker._render(self, note)
+
+
+class PipelineStage(Protocol):
+  """One stage of a pipeline: a frozen config whose `run` does the stage's work on the state the
+  stages hand each other, reporting progress through `stage`."""
+
+  @property
+  def name(self) -> str: ...
+
+  @property
+  def estimate_s(self) -> float: ...
+
+  def run(self, state: Any, stage: Stage) -> None: ...
 
 
 class StageTracker:

@@ -119,6 +119,15 @@ class TrainRun:
     self.rollout.resume()
     return version
 
+  def warmup(self, temperatures: Sequence[float]) -> float:
+    """Compiles every in-process engine shape for sampling at `temperatures` (0: greedy) before
+    the first request, so that what runs next (an evaluation) is timed as serving; returns the
+    seconds it took (0 with remote engines)."""
+    if self.engine is None:
+      return 0.0
+    modes = {"sample" if t > 0 else "greedy" for t in temperatures}
+    return self.engine.warmup(modes=tuple(sorted(modes)))
+
   def close(self) -> None:
     try:
       self._close_weights()
@@ -340,7 +349,7 @@ def train(
     print(
       f"[train] {'resumed at version ' + str(resumed) if resumed else 'fresh start'}", flush=True
     )
-    last = run.trainer.run()
+    last = run.trainer.run(max_seconds=config.max_seconds)
   finally:
     run.close()
   summary = {

@@ -2,7 +2,9 @@
 
 Each part keeps its own library defaults (EngineConfig, DriverConfig, ...); the CPU-sized values
 of the smoke run live in one place, gin/runs/train.gin, which binds every part, so a single
-binding (`staleness.StalenessConfig.max_staleness = 0`) changes one thing. `build_run` combines
+binding (`staleness.StalenessConfig.max_staleness = 0`) changes one thing. Every program that
+runs RL takes one (the quickstart's and long-horizon's `rl`, bound the same way in their
+recipes), so a knob has the same name in each. `build_run` combines
 the config with the runtime objects (policy, questions).
 """
 
@@ -89,6 +91,9 @@ class TrainConfig:
 
   # Stop once the policy version reaches this (a resumed run counts on).
   train_steps: int = 4
+  # Wall-clock budget of the training loop in seconds (steps end at the first one past it), for
+  # fixed-time runs like the quickstart; None: train_steps alone.
+  max_seconds: float | None = None
   # Checkpoint (and commit the consumed groups) every this many steps; 0 = never.
   checkpoint_every: int = 1
   # Fail if no batch of accepted groups arrives within this long.

@@ -110,6 +110,18 @@ class SFTStage:
   # The SFT's (data, fsdp, tensor) mesh (default: every device on fsdp).
   mesh: sharding_lib.MeshConfig = sharding_lib.MeshConfig()
 
+  def run(
+    self, trajectories: str | list[str], out_dir: Path, *, policy: PolicyConfig, name: str
+  ) -> Path:
+    """Trains this SFT on `trajectories` in `out_dir` (resuming from its checkpoints) from
+    `policy`; returns the exported model's directory."""
+    sft_commands.train_sft(
+      trajectories=trajectories, out_dir=str(out_dir), policy=policy, scratch=self.scratch,
+      config=self.config, optimizer=self.optimizer, mesh=self.mesh,
+      precision=steps.PrecisionConfig(), export_dtype=None, name=name,
+    )  # fmt: skip
+    return out_dir / "model"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HastyStage:
@@ -214,12 +226,12 @@ def warm_start(
       imperfection=expert.imperfection, seed=seed,
     )  # fmt: skip
   with tracker.stage("sft"):
-    sft_commands.sft(
-      trajectories=str(data), out_dir=str(out / "sft"),
-      policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=seed), scratch=sft.scratch,
-      config=sft.config, optimizer=sft.optimizer, mesh=sft.mesh,
+    sft.run(
+      str(data),
+      out / "sft",
+      policy=PolicyConfig(tokenizer_dir=str(files.tokenizer), seed=seed),
       name="SynthWiki warm start (asearcher warm-start)",
-    )  # fmt: skip
+    )
   model_dir = out / "sft" / "model"
   hasty_card = None
   if hasty.early_answer > 0:
@@ -270,12 +282,12 @@ def hasty_stage(
   expert = expert_trajectories(
     sw, files, data, expert=ExpertConfig(seed=seed, p_guess=hasty.early_answer), seed=seed
   )
-  sft_commands.sft(
-    trajectories=str(data), out_dir=str(out / "hasty" / "sft"),
+  SFTStage(config=hasty.config, optimizer=hasty.optimizer, mesh=hasty.mesh).run(
+    str(data),
+    out / "hasty" / "sft",
     policy=PolicyConfig(model_dir=str(init_dir), tokenizer_dir=str(files.tokenizer), seed=seed),
-    config=hasty.config, optimizer=hasty.optimizer, mesh=hasty.mesh,
     name="SynthWiki warm start, hasty stage (asearcher warm-start)",
-  )  # fmt: skip
+  )
   summary = json.loads((out / "hasty" / "sft" / "sft_summary.json").read_text())
   return {"early_answer": hasty.early_answer, **expert, "sft_summary": summary}
 

@@ -13,14 +13,18 @@ import re
 
 import pytest
 
-from asearcher_jax.apps import long_dagger, long_warm_start
+from asearcher_jax.agent import AsearcherAgentConfig
+from asearcher_jax.apps import long_dagger
 from asearcher_jax.apps import long_horizon as lh
 from asearcher_jax.apps import long_horizon_report as report
+from asearcher_jax.apps import long_warm_start as lws
 from asearcher_jax.apps import quickstart as qs
+from asearcher_jax.apps.train_config import AgentChoice, TrainConfig
 from asearcher_jax.apps.warm_start import WARM_START_OPTIMIZER, SFTStage
 from asearcher_jax.apps.world import RetrievalThread, generate_expert_trajectories, prepare_world
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.model.sharding import MeshConfig
+from asearcher_jax.rl.staleness import StalenessConfig
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.sft.sft import SFTConfig
 from asearcher_jax.synthwiki import chain_breaks
@@ -65,9 +69,9 @@ def test_longer_world_adds_13_to_16_hop_chains_and_keeps_the_shipped_warm_starts
   long_test = [q.hops for q in longer.test[:64] if q.hops >= 6]
   assert sum(long_test) / len(long_test) > 10  # one search a hop needs > 10 calls there
   _, files = prepare_world(tmp_path / "world", lh.LONGER_WORLD)
-  shipped = lh.long_warm_start.LONG_WARM_START / "tokenizer.json"
+  shipped = lws.LONG_WARM_START / "tokenizer.json"
   assert (files.tokenizer / "tokenizer.json").read_bytes() == shipped.read_bytes()
-  qs.check_tokenizer(files, lh.long_warm_start.LONG_WARM_START)
+  qs.check_tokenizer(files, lws.LONG_WARM_START)
 
 
 @pytest.mark.slow
@@ -84,9 +88,9 @@ def test_longest_world_appends_17_to_32_hop_chains_and_changes_nothing_else(tmp_
   assert {q.split for q in appended} == {"train", "test"}  # by start entity, as the others
   assert longest.digest() != longer.digest()
   _, files = prepare_world(tmp_path / "world", lh.LONGEST_WORLD)
-  shipped = lh.long_warm_start.LONG_WARM_START / "tokenizer.json"
+  shipped = lws.LONG_WARM_START / "tokenizer.json"
   assert (files.tokenizer / "tokenizer.json").read_bytes() == shipped.read_bytes()
-  assert long_warm_start._hop_range(dataclasses.asdict(lh.LONGEST_WORLD)) == "4-32"
+  assert lws._hop_range(dataclasses.asdict(lh.LONGEST_WORLD)) == "4-32"
   with pytest.raises(ValueError, match="question counts"):
     dataclasses.replace(lh.LONGER_WORLD, appended_questions_per_hop=(3, -1))
 
@@ -158,7 +162,7 @@ def test_page_reading_expert_searches_then_opens_the_page_for_every_hop(tiny_wor
   def play(expert):
     return _play(tiny_world, expert, lh.PAGES_AGENT)
 
-  perfect = play(lh.warm_start_expert(lh.LongWarmStart(
+  perfect = play(lws.warm_start_expert(lws.LongWarmStart(
     give_up_after_hops=None, read_pages=True, max_attempts=4)))  # fmt: skip
   assert sum(t.score for t in perfect) >= 0.9 * len(qs_)
   two_per_hop = 0
@@ -189,7 +193,7 @@ def test_snippet_expert_opens_a_page_only_where_the_snippet_hides_the_fact(tiny_
   # Both kinds of hop occur: some facts are in the snippet, some only on the page.
   assert any(needed[i] < 2 * q.hops for i, q in qs_.items())
   assert any(needed[i] > q.hops for i, q in qs_.items())
-  perfect = _play(tiny_world, lh.warm_start_expert(lh.LongWarmStart(
+  perfect = _play(tiny_world, lws.warm_start_expert(lws.LongWarmStart(
     give_up_after_hops=None, read_pages=True, max_attempts=4)), lh.SNIPPETS_AGENT)  # fmt: skip
   assert sum(t.score for t in perfect) >= 0.9 * len(qs_)
   exact = 0
@@ -205,8 +209,10 @@ def test_plan_notes_list_the_relations_still_to_follow(tiny_world):
   """With `plan_notes`, the first turn lists the chain's relations in search order and every note
   that resolves a hop ends with the rest, so the next search's relation is the list's head."""
   qs_ = tiny_world[0].questions
-  warm = lh.LongWarmStart(give_up_after_hops=None, read_pages=True, max_attempts=4, plan_notes=True)
-  episodes = _play(tiny_world, lh.warm_start_expert(warm), lh.PAGES_PLAN_AGENT)
+  warm = lws.LongWarmStart(
+    give_up_after_hops=None, read_pages=True, max_attempts=4, plan_notes=True
+  )
+  episodes = _play(tiny_world, lws.warm_start_expert(warm), lh.PAGES_PLAN_AGENT)
   assert sum(t.score for t in episodes) >= 0.9 * len(qs_)  # as good as without the notes
   checked = 0
   for q, t in zip(qs_, episodes):
@@ -223,23 +229,29 @@ def test_plan_notes_list_the_relations_still_to_follow(tiny_world):
   assert checked >= len(qs_) // 2
 
 
+def with_agent(rl: TrainConfig, agent: AsearcherAgentConfig) -> TrainConfig:
+  """`rl` training (and the pipeline evaluating) `agent`."""
+  return dataclasses.replace(rl, agent=AgentChoice(name="asearcher", configs={"asearcher": agent}))
+
+
 def test_the_page_reading_warm_start_needs_the_snippet_agent():
   with pytest.raises(AsearcherError, match=r"read_pages is True but agent\.doc_sentences is 0"):
-    lh.long_horizon(warm_start_dir=None, warm=lh.LongWarmStart(read_pages=True),
+    lh.long_horizon(warm_start_dir=None, warm=lws.LongWarmStart(read_pages=True),
                     run_dir="/nonexistent/never-written")  # fmt: skip
   with pytest.raises(AsearcherError, match=r"read_pages is False but agent\.doc_sentences is 1"):
-    lh.long_horizon(warm_start_dir=None, agent=lh.PAGES_AGENT, run_dir="/nonexistent/x")
+    lh.long_horizon(warm_start_dir=None, rl=with_agent(lh.LONG_RL, lh.PAGES_AGENT),
+                    run_dir="/nonexistent/x")  # fmt: skip
 
 
 def test_the_warm_start_expert_gives_up_by_range_or_by_chance():
-  geometric = lh.warm_start_expert(lh.LongWarmStart(give_up_after_hops=None, p_guess=0.15))
+  geometric = lws.warm_start_expert(lws.LongWarmStart(give_up_after_hops=None, p_guess=0.15))
   assert geometric.p_guess == 0.15 and geometric.give_up_after_hops is None
   assert geometric.p_sloppy_query == 0.0  # imperfection 0: no other mistake
-  ranged = lh.warm_start_expert(lh.LongWarmStart(give_up_after_hops=(2, 4), imperfection=0.4))
+  ranged = lws.warm_start_expert(lws.LongWarmStart(give_up_after_hops=(2, 4), imperfection=0.4))
   assert ranged.give_up_after_hops == (2, 4) and ranged.p_guess == 0.25 * 0.4  # the level's
-  words = lh.long_warm_start._give_up({"give_up_after_hops": None, "p_guess": 0.15})
+  words = lws._give_up({"give_up_after_hops": None, "p_guess": 0.15})
   assert "probability 0.15" in words and "after" not in words
-  assert "after 2-4 hops" in lh.long_warm_start._give_up({"give_up_after_hops": [2, 4]})
+  assert "after 2-4 hops" in lws._give_up({"give_up_after_hops": [2, 4]})
 
 
 def test_give_up_range_is_checked():
@@ -259,7 +271,7 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   sft_cfg = SFTConfig(steps=2, row_len=512, rows_per_batch=8, eval_every=2, checkpoint_every=2,
                       progress=False)  # fmt: skip
   shipped = tmp_path / "shipped"
-  warm = lh.LongWarmStart(
+  warm = lws.LongWarmStart(
     samples_per_question=1, give_up_after_hops=(2, 3), ship_to=str(shipped), copy_drills=2,
     sft=SFTStage(config=sft_cfg, optimizer=dataclasses.replace(
       WARM_START_OPTIMIZER, total_steps=2, warmup_steps=1), mesh=ONE_DEVICE),
@@ -270,12 +282,19 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
     run_dir=str(run_dir), warm_start_dir=None, world=TINY_LONG, warm=warm,
     # Evaluated at T 0.5, RL at the default T 1.0 (ASearcher: Avg@4 at 0.6, training at 1.0).
     evaluation=qs.QuickstartEval(questions=4, k=2, concurrency=8, temperature=0.5),
-    rl=qs.QuickstartRL(seconds=1.0, batch_groups=1, group_size=4, max_concurrent=2,
-                       questions="train", batch_timeout_s=300.0, micro_rows=2, reward="smoke"),
-    agent=dataclasses.replace(lh.LONG_AGENT, max_turns=7, max_tokens=512, max_new_tokens=32),
-    engine=EngineConfig(
-      max_slots=8, max_seq_len=512, prefill_buckets=(512,), suffix_buckets=(256,)
+    rl=dataclasses.replace(
+      lh.LONG_RL, max_seconds=1.0, batch_timeout_s=300.0, reward="smoke",
+      staleness=StalenessConfig(batch_groups=1, max_staleness=4, max_concurrent=2),
+      engine=EngineConfig(
+        max_slots=8, max_seq_len=512, prefill_buckets=(512,), suffix_buckets=(256,)
+      ),
+      agent=AgentChoice(name="asearcher", configs={"asearcher": dataclasses.replace(
+        lh.LONG_AGENT, max_turns=7, max_tokens=512, max_new_tokens=32)}),
+      rollout=dataclasses.replace(lh.LONG_RL.rollout, group_size=4),
+      learner=dataclasses.replace(lh.LONG_RL.learner, ppo=dataclasses.replace(
+        lh.LONG_RL.ppo(), row_len=512, short_row_lens=(256,), micro_rows=2)),
     ),
+    pool=qs.SynthWikiRL(questions="train"),
     min_tool_calls=3,
   )  # fmt: skip
   with pytest.raises(AsearcherError, match="max_turns >= 61"):
@@ -349,10 +368,12 @@ def test_long_horizon_ci_size_reports_every_key(tmp_path):
   pages = dataclasses.replace(
     stop, read_pages=True, max_attempts=4, init_from=str(shipped), ship_to=None, copy_drills=0
   )
-  agent = dataclasses.replace(common["agent"], doc_sentences=1, compact_search_results=False)
+  agent = dataclasses.replace(
+    qs.synthwiki_agent(common["rl"]), doc_sentences=1, compact_search_results=False
+  )
   pages_dir = tmp_path / "pages"
   # As on an accelerator lease: stop once the SFT has written its model, no evaluation, no card.
-  pages_run = {**common, "run_dir": str(pages_dir), "agent": agent}
+  pages_run = {**common, "run_dir": str(pages_dir), "rl": with_agent(common["rl"], agent)}
   assert (
     lh.long_horizon(**{**pages_run, "warm": dataclasses.replace(pages, stop_after_sft=True)}) == 0
   )
@@ -418,6 +439,6 @@ def test_limit_counters_add_up_over_the_lives_of_a_resumed_run():
 
 def test_the_warm_start_card_names_the_worlds_chain_lengths():
   """The card's world line is read from the world's config, not written for the default one."""
-  assert long_warm_start._hop_range(dataclasses.asdict(lh.LONG_WORLD)) == "4-12"
-  assert long_warm_start._hop_range(dataclasses.asdict(lh.LONGER_WORLD)) == "4-16"
-  assert long_warm_start._hop_range({"questions_per_hop": (0, 5, 0, 3)}) == "2-4"
+  assert lws._hop_range(dataclasses.asdict(lh.LONG_WORLD)) == "4-12"
+  assert lws._hop_range(dataclasses.asdict(lh.LONGER_WORLD)) == "4-16"
+  assert lws._hop_range({"questions_per_hop": (0, 5, 0, 3)}) == "2-4"

@@ -106,7 +106,7 @@ def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tiny_run):
   # The command that made this run: the sweep's point process, its overrides included.
   argv = shlex.split(summary["command"])
   assert argv[:2] == ["asearcher", "quickstart"]
-  assert "--gin_param=pipeline.QuickstartRL.max_staleness=4" in argv
+  assert "--gin_param=staleness.StalenessConfig.max_staleness=4" in argv
   assert any(a.startswith("--gin_param=pipeline.quickstart.run_dir=") for a in argv)
   assert set(summary["stages"]) == {"world", "load", "eval_sft", "rl", "eval_rl"}  # report: after
   assert (run_dir / "report" / "training.png").read_bytes()[:4] == b"\x89PNG"

@@ -151,4 +151,4 @@ def test_sweep_of_the_ci_sized_quickstart(tiny_run):
   for r in rows:
     assert 0.0 <= r["avg4_rl"] <= 1.0 and r["wall_s"] > 0
     op = (root / r["point"] / "operative_config.gin").read_text()
-    assert f"QuickstartRL.max_staleness = {r['point'][-1]}" in op
+    assert f"StalenessConfig.max_staleness = {r['point'][-1]}" in op

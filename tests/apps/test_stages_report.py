@@ -142,8 +142,8 @@ def test_hop_credit_rewards_the_hops_of_a_chain_searched_right():
                    "<search> Kel population </search>", "<answer>1200</answer>", pred="1200")  # fmt: skip
   unknown = episode("q9", "<answer>1200</answer>", pred="1200")  # not a world question
   assert score([two_right, solved, unknown]) == pytest.approx([0.5 * 2 / 3, 1.0, 0.5])
-  assert pipeline.QuickstartRL().hop_credit == 0.0  # the ASearcher reward by default
-  with pytest.raises(AsearcherError, match=r"QuickstartRL\.hop_credit must be in \[0, 1\)"):
-    pipeline.QuickstartRL(hop_credit=1.0)
+  assert pipeline.SynthWikiRL().hop_credit == 0.0  # the ASearcher reward by default
+  with pytest.raises(AsearcherError, match=r"SynthWikiRL\.hop_credit must be in \[0, 1\)"):
+    pipeline.SynthWikiRL(hop_credit=1.0)
   with pytest.raises(AsearcherError, match="prefix_hops"):
-    pipeline.QuickstartRL(hop_credit=0.3, prefix_hops=(1, 2))
+    pipeline.SynthWikiRL(hop_credit=0.3, prefix_hops=(1, 2))

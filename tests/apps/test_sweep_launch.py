@@ -222,7 +222,7 @@ def test_dry_run_of_local_process_points(tmp_path):
   assert rc == 0 and len(lines) == 4 and not root.exists()
   argv = shlex.split(lines[3].split(": ", 2)[2])
   assert argv[:4] == [sys.executable, "-m", "asearcher_jax.main", "quickstart"]
-  assert "--gin_param=pipeline.QuickstartRL.max_staleness=4" in argv
+  assert "--gin_param=staleness.StalenessConfig.max_staleness=4" in argv
   assert (
     f"--operative_config={root}/p03-learning_rate=3e-4-max_staleness=4/operative_config.gin" in argv
   )

@@ -29,7 +29,7 @@ T = 60  # seconds: bound on every await of the synthesis run
 # The shipped CI-size sweep (4 questions x k 2, 5 s of RL at B 2, prefill buckets 512 and 2,048:
 # gin/overlays/quickstart_ci.gin), its grid cut to one point.
 SWEEP = "gin/sweeps/quickstart_ci.gin"
-GRID = '{"pipeline.QuickstartRL.max_staleness": ("4",)}'
+GRID = '{"staleness.StalenessConfig.max_staleness": ("4",)}'
 POINT = "p00-max_staleness=4"
 
 

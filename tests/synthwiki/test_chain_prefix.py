@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from asearcher_jax.apps import long_horizon as lh
+from asearcher_jax.apps import long_warm_start
 from asearcher_jax.apps import quickstart as pipeline
 from asearcher_jax.apps.world import WorldFiles
 from asearcher_jax.errors import AsearcherError
@@ -76,15 +76,15 @@ def test_rl_pool_adds_the_prefixes_of_its_own_split(sw, tmp_path):
   assert {it.bucket for it in only} == {"chain-1"} and len(only) == len(chains)
   with pytest.raises(AsearcherError, match="needs the world"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(1,))
-  with pytest.raises(AsearcherError, match=r"QuickstartRL\.prefix_hops must be hop counts >= 1"):
+  with pytest.raises(AsearcherError, match=r"SynthWikiRL\.prefix_hops must be hop counts >= 1"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(0, 1), sw=sw)
   with pytest.raises(AsearcherError, match="no pooled chain is longer"):
     pipeline.rl_pool(files, "train", None, prefix_hops=(9,), sw=sw)
 
 
 def test_the_warm_start_expert_plays_the_train_chains_then_their_prefixes(sw):
-  assert lh.expert_questions(sw, ()) == sw.train
-  questions = lh.expert_questions(sw, (1, 2))
+  assert long_warm_start.expert_questions(sw, ()) == sw.train
+  questions = long_warm_start.expert_questions(sw, (1, 2))
   assert questions[: len(sw.train)] == sw.train
   extra = questions[len(sw.train) :]
   assert {q.hops for q in extra} == {1, 2} and {q.split for q in extra} == {"train"}
@@ -92,6 +92,6 @@ def test_the_warm_start_expert_plays_the_train_chains_then_their_prefixes(sw):
   assert {q.id.rsplit("-p", 1)[0] for q in extra} <= long_ids
   assert len({q.id for q in questions}) == len(questions)
   with pytest.raises(AsearcherError, match=r"LongWarmStart\.prefix_hops must be hop counts >= 1"):
-    lh.expert_questions(sw, (0,))
+    long_warm_start.expert_questions(sw, (0,))
   with pytest.raises(AsearcherError, match="no train chain is longer"):
-    lh.expert_questions(sw, (9,))
+    long_warm_start.expert_questions(sw, (9,))

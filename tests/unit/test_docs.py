@@ -181,6 +181,7 @@ def test_the_checks_see_what_the_docs_name():
   assert not _exists("asearcher_jax/no_such_module.py")
   assert not _exists("gin/experiments/no_such_recipe.gin")
   assert not _selector_ok({"asearcher_jax.model.loading"}, "PolicyConfig", "no_such_field")
+  assert not _selector_ok({"asearcher_jax.apps.quickstart"}, "SynthWikiRL", "no_such_field")
 
 
 def test_every_run_sh_job_the_docs_name_exists():
