@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
-from asearcher_jax.rl.audit import RESUME_LOG
-from asearcher_jax.rl.inflight import read_resume_log
+from asearcher_jax.rl.inflight import RESUME_LOG, read_resume_log
 from asearcher_jax.rl.replay import logged_group_ids
 from asearcher_jax.rl.rollout import group_item_key
 

@@ -44,7 +44,7 @@ from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model.config import ModelConfig, to_hf_config
 from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.episodes import EPISODES_FILE, EpisodeLog
-from asearcher_jax.rl.inflight import ResumeLog
+from asearcher_jax.rl.inflight import RESUME_LOG, ResumeLog
 from asearcher_jax.rl.learner import Learner
 from asearcher_jax.rl.remote import RemoteEngines
 from asearcher_jax.rl.replay import ReplayQueue
@@ -154,7 +154,6 @@ class TrainRun:
 
 # Where the run's own retrieval server announces its address (inside run_dir).
 RETRIEVAL_ADDRS = "retrieval_addrs"
-RESUME_LOG = "rollout/resumed.jsonl"  # one line per episode resumed from its journal
 # The trained policy's Hugging Face config.json (its architecture and dtype), written when the run
 # starts, so that a checkpoint's parameters can be exported without the model they started from.
 POLICY_CONFIG = "policy_config.json"

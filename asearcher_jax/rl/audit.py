@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asearcher_jax.rl.inflight import read_resume_log
+from asearcher_jax.rl.inflight import RESUME_LOG, read_resume_log
 from asearcher_jax.rl.replay import (
   CONSUMED_LOG,
   GROUPS_LOG,
@@ -25,8 +25,6 @@ from asearcher_jax.rl.replay import (
   _read_records,
   decode_group,
 )
-
-RESUME_LOG = "rollout/resumed.jsonl"  # apps.train.RESUME_LOG (apps is a layer above)
 
 
 def replay_logs(replay_dir: Path) -> tuple[list[str], list[str], list[str]]:

@@ -42,6 +42,9 @@ from asearcher_jax.tools.toolbox import ToolCall, ToolJob, ToolResult, ToolStats
 
 log = logging.getLogger(__name__)
 
+# Where a run writes its ResumeLog, under its run directory (the trainer and the audit).
+RESUME_LOG = "rollout/resumed.jsonl"
+
 # (tokens, logprobs, versions) generated so far for a request id, or None if unknown.
 Progress = Callable[[str], tuple[list[int], list[float], list[int]] | None]
 

@@ -96,11 +96,3 @@ def test_as_a_process(stub_run, tmp_path):
   helped = subprocess.run([*cmd, "--help"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
   assert helped.returncode == 0 and "audit.audit.eta" in helped.stdout, helped.stderr
-
-
-def test_the_audit_reads_the_resume_log_train_writes():
-  """rl.audit names the file apps.train writes (apps is a layer above it: a copy, kept equal)."""
-  from asearcher_jax.apps import train
-  from asearcher_jax.rl import audit
-
-  assert audit.RESUME_LOG == train.RESUME_LOG
