@@ -155,10 +155,8 @@ def _selector_ok(modules: set[str], name: str, field: str) -> bool:
   return False
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if d not in HISTORY], ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_gin_selector_the_docs_name_binds_something(doc):
-  """Pages a user follows name live bindings; dated history (HISTORY) keeps the commands as they
-  ran, under the names of their day."""
   aliases = _gin_aliases()
   bad = sorted(
     f"{a}.{n}.{f}"
