@@ -208,6 +208,9 @@ class Workload:
   # old settings run one step per call.
   decode_steps: int = 8
   engine_cpus: tuple[int, ...] = ()  # "process": the cores the engine gets; the trainer the rest
+  # Batches per mode whose learner step is timed again alone afterwards (`learner_alone`);
+  # 0: none.
+  alone_steps: int = 5
   # Compile every engine shape and learner bucket before the timed runs. False (smoke runs and
   # tests): shapes compile on first use, inside the runs, so the figures include compile time.
   warmup: bool = True
@@ -371,6 +374,50 @@ def reset(shared: Shared) -> None:
   shared.driver.update_params(jax.tree.map(jnp.copy, shared.init_params), 0, recompute=True)
 
 
+def record_batches(learner: Learner) -> list[list[Group]]:
+  """The groups of every `train_step` the learner takes from now on (an instance attribute
+  shadows the method until `del learner.train_step`)."""
+  batches: list[list[Group]] = []
+  step = learner.train_step
+
+  def recording(groups):
+    batches.append(list(groups))
+    return step(groups)
+
+  learner.train_step = recording
+  return batches
+
+
+def learner_alone(
+  shared: Shared, batches: list[list[Group]], in_run_s: list[float], n: int
+) -> dict[str, float] | None:
+  """Times the learner's step on the last `n` batches of a mode again, the engine idle and the
+  rollouts stopped (from the run's last weights: a step's cost does not depend on them; the
+  learner's state and version are put back afterwards). in_run_s: the run's train seconds per
+  step. Never the first step (it may include a compile)."""
+  picked = list(range(max(1, len(batches) - n), len(batches)))
+  if not picked or n <= 0:
+    return None
+  learner = shared.learner
+  state, version = jax.tree.map(jnp.copy, learner.state), learner.version
+  times = []
+  try:
+    for i in picked:
+      t0 = time.perf_counter()
+      learner.train_step(batches[i])
+      times.append(time.perf_counter() - t0)
+  finally:
+    learner.restore(state, version)
+  alone = float(np.mean(times))
+  in_run = float(np.mean([in_run_s[i] for i in picked]))
+  return {
+    "steps": len(picked),
+    "train_s_alone": round(alone, 3),
+    "train_s_in_run": round(in_run, 3),
+    "in_run_vs_alone": round(in_run / max(alone, 1e-9), 3),
+  }
+
+
 class OccupancySampler:
   """Mean engine slot occupancy over a run, sampled on its own thread."""
 
@@ -480,6 +527,7 @@ def run_mode(
   stats0 = engine_stats()
   tokens0 = float(stats0["tokens_generated"])
   cpus_before = os.sched_getaffinity(0)
+  batches = record_batches(shared.learner)
   try:
     with OccupancySampler(engine_stats) as occ:
       rollout.start()
@@ -489,10 +537,12 @@ def run_mode(
       trainer.run()
       wall = time.perf_counter() - t0
   finally:
+    del shared.learner.train_step  # the method again (record_batches shadowed it)
     serving_commands.pin_cpus(cpus_before)
     rollout.stop()
     replay.close()
   h = trainer.history
+  alone = learner_alone(shared, batches, [m["timing/train_s"] for m in h], w.alone_steps)
   for i, m in enumerate(h):
     log.info(
       "eta=%d step %d: wait %.2f s, train %.2f s, sync %.2f s, %d tokens, episode %.1f s",
@@ -534,6 +584,9 @@ def run_mode(
     "trainer_idle_frac": round(idle / wall, 4),
     "steady_idle_frac": round(steady_idle / steady, 4) if steady else None,
     "train_s_mean": round(train_s, 3),
+    # The learner's step on the same batches again with nothing else running (engine idle):
+    # in_run / alone > 1 is the cost of sharing the CPU with generation (learner_alone).
+    "learner_alone": alone,
     "sync_s_mean": round(float(np.mean([m["timing/sync_s"] for m in h])), 3),
     "occupancy": round(occ.mean, 4),
     "generated_tokens_per_s": round((float(end["tokens_generated"]) - tokens0) / wall, 1),
@@ -588,6 +641,12 @@ def parse(argv: list[str] | None) -> Workload:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   d = Workload()
   p.add_argument("--steps", type=int, default=d.steps)
+  p.add_argument(
+    "--alone-steps",
+    type=int,
+    default=d.alone_steps,
+    help="batches per mode whose learner step is timed again with the engine idle (0: none)",
+  )
   p.add_argument("--batch-groups", type=int, default=d.batch_groups)
   p.add_argument("--group-size", type=int, default=d.group_size)
   p.add_argument("--eta", type=int, default=d.eta)
@@ -656,7 +715,7 @@ def parse(argv: list[str] | None) -> Workload:
       logging.getLogger(name).setLevel(logging.INFO)
       logging.getLogger(name).propagate = False  # one line each, whatever the root logger has
   return Workload(
-    steps=a.steps, batch_groups=a.batch_groups, group_size=a.group_size, eta=a.eta,
+    steps=a.steps, alone_steps=a.alone_steps, batch_groups=a.batch_groups, group_size=a.group_size, eta=a.eta,
     async_concurrent=a.async_concurrent, slots=a.slots, minibatches=a.minibatches,
     decode_rows=tuple(int(x) for x in a.decode_rows.split(",") if x.strip()),
     prefill_buckets=tuple(int(x) for x in a.prefill_buckets.split(",") if x.strip()),
@@ -732,11 +791,23 @@ def main(argv: list[str] | None = None) -> dict:
     "trainer idle < 10%; AReaL's published end-to-end figure at 1.5B: 2.77x)",
     flush=True,
   )
+  for name, mode in (("sync", sync), ("async", asyn)):
+    if mode["learner_alone"]:
+      a = mode["learner_alone"]
+      print(
+        f"learner step, {name}: {a['train_s_in_run']} s in the run, {a['train_s_alone']} s "
+        f"alone on the same batches ({a['in_run_vs_alone']}x)",
+        flush=True,
+      )
   result = {
     "speedup": round(speedup, 3),
     "speedup_steady": None if steady is None else round(steady, 3),
     "trainer_idle_async": asyn["trainer_idle_frac"],
     "trainer_idle_sync": sync["trainer_idle_frac"],
+    # The learner's step in the async run against the same batches alone (no engine running):
+    # near 1, generation leaves the learner its cores; well above, the two contend.
+    "learner_in_run_vs_alone_async": (asyn["learner_alone"] or {}).get("in_run_vs_alone"),
+    "learner_in_run_vs_alone_sync": (sync["learner_alone"] or {}).get("in_run_vs_alone"),
     "capacity_ratio_async": asyn["capacity_ratio"],
     "occupancy_async": asyn["occupancy"],
     "occupancy_sync": sync["occupancy"],

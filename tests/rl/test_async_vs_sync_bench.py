@@ -56,6 +56,14 @@ def test_benchmark_runs_both_modes_and_reports(capsys):
   assert last["capacity_ratio_async"] == pytest.approx(
     5 * asyn["train_s_mean"] / asyn["group_s_mean"], rel=0.02
   )
+  # The learner's step timed again on the same batches with the engine idle (steps 2 and 3).
+  for mode in (sync, asyn):
+    alone = mode["learner_alone"]
+    assert alone["steps"] == 2 and alone["train_s_alone"] > 0 and alone["train_s_in_run"] > 0
+    assert alone["in_run_vs_alone"] == pytest.approx(
+      alone["train_s_in_run"] / alone["train_s_alone"], rel=0.05
+    )
+  assert last["learner_in_run_vs_alone_async"] == asyn["learner_alone"]["in_run_vs_alone"]
 
 
 @pytest.mark.slow
