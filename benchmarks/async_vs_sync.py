@@ -389,33 +389,41 @@ def record_batches(learner: Learner) -> list[list[Group]]:
 
 
 def learner_alone(
-  shared: Shared, batches: list[list[Group]], in_run_s: list[float], n: int
+  shared: Shared, batches: list[list[Group]], history: list[dict[str, float]], n: int
 ) -> dict[str, float] | None:
   """Times the learner's step on the last `n` batches of a mode again, the engine idle and the
   rollouts stopped (from the run's last weights: a step's cost does not depend on them; the
-  learner's state and version are put back afterwards). in_run_s: the run's train seconds per
-  step. Never the first step (it may include a compile)."""
+  learner's state and version are put back afterwards). history: the trainer's metrics per
+  step of the run. Never the first step (it may include a compile). The step's two phases side
+  by side: the host's packing (Python, contends for the GIL with the rollouts) and the device
+  part (XLA, contends for the cores with the engine)."""
   picked = list(range(max(1, len(batches) - n), len(batches)))
   if not picked or n <= 0:
     return None
   learner = shared.learner
   state, version = jax.tree.map(jnp.copy, learner.state), learner.version
-  times = []
+  times, phases = [], []
   try:
     for i in picked:
       t0 = time.perf_counter()
-      learner.train_step(batches[i])
+      phases.append(learner.train_step(batches[i]))
       times.append(time.perf_counter() - t0)
   finally:
     learner.restore(state, version)
   alone = float(np.mean(times))
-  in_run = float(np.mean([in_run_s[i] for i in picked]))
-  return {
+  in_run = float(np.mean([history[i]["timing/train_s"] for i in picked]))
+  out = {
     "steps": len(picked),
     "train_s_alone": round(alone, 3),
     "train_s_in_run": round(in_run, 3),
     "in_run_vs_alone": round(in_run / max(alone, 1e-9), 3),
   }
+  for phase in ("prepare_s", "device_s"):
+    key = f"timing/{phase}"
+    if all(key in history[i] for i in picked):
+      out[f"{phase}_alone"] = round(float(np.mean([m[key] for m in phases])), 3)
+      out[f"{phase}_in_run"] = round(float(np.mean([history[i][key] for i in picked])), 3)
+  return out
 
 
 class OccupancySampler:
@@ -542,7 +550,7 @@ def run_mode(
     rollout.stop()
     replay.close()
   h = trainer.history
-  alone = learner_alone(shared, batches, [m["timing/train_s"] for m in h], w.alone_steps)
+  alone = learner_alone(shared, batches, h, w.alone_steps)
   for i, m in enumerate(h):
     log.info(
       "eta=%d step %d: wait %.2f s, train %.2f s, sync %.2f s, %d tokens, episode %.1f s",
@@ -796,7 +804,9 @@ def main(argv: list[str] | None = None) -> dict:
       a = mode["learner_alone"]
       print(
         f"learner step, {name}: {a['train_s_in_run']} s in the run, {a['train_s_alone']} s "
-        f"alone on the same batches ({a['in_run_vs_alone']}x)",
+        f"alone on the same batches ({a['in_run_vs_alone']}x; host packing "
+        f"{a.get('prepare_s_in_run')} vs {a.get('prepare_s_alone')} s, device "
+        f"{a.get('device_s_in_run')} vs {a.get('device_s_alone')} s)",
         flush=True,
       )
   result = {
