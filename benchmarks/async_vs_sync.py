@@ -421,8 +421,8 @@ def learner_alone(
   for phase in ("prepare_s", "device_s"):
     key = f"timing/{phase}"
     if all(key in history[i] for i in picked):
-      out[f"{phase}_alone"] = round(float(np.mean([m[key] for m in phases])), 3)
-      out[f"{phase}_in_run"] = round(float(np.mean([history[i][key] for i in picked])), 3)
+      out[f"{phase}_alone"] = round(float(np.mean([m[key] for m in phases])), 4)
+      out[f"{phase}_in_run"] = round(float(np.mean([history[i][key] for i in picked])), 4)
   return out
 
 

@@ -63,7 +63,7 @@ def test_benchmark_runs_both_modes_and_reports(capsys):
     assert alone["in_run_vs_alone"] == pytest.approx(
       alone["train_s_in_run"] / alone["train_s_alone"], rel=0.05
     )
-    assert alone["prepare_s_alone"] > 0 and alone["device_s_alone"] > 0
+    assert alone["prepare_s_alone"] >= 0 and alone["device_s_alone"] > 0
     assert alone["prepare_s_in_run"] + alone["device_s_in_run"] <= alone["train_s_in_run"] + 0.01
   assert last["learner_in_run_vs_alone_async"] == asyn["learner_alone"]["in_run_vs_alone"]
 
