@@ -37,8 +37,8 @@ from asearcher_jax.data.qa import load_training_qa
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.steps import OptimizerConfig
 from asearcher_jax.rl import trainer as trainer_lib
+from asearcher_jax.rl.audit import pending_on_disk, replay_logs
 from asearcher_jax.rl.replay import (
-  CONSUMED_LOG,
   GROUPS_LOG,
   Group,
   ReplayConfig,
@@ -87,25 +87,6 @@ def build(
     config, run_dir=str(run_dir), policy=wiring.policy(model=TINY, tokenizer_dir=str(tok_dir)),
     items=load_training_qa(limit=24),
   )  # fmt: skip
-
-
-def replay_logs(replay_dir: Path) -> tuple[list[str], list[str], list[str]]:
-  """(pushed, committed, discarded) group ids, in log order, read from disk."""
-  records, _ = _read_records(replay_dir / GROUPS_LOG)
-  pushed = [decode_group(r).group_id for r in records]
-  committed, discarded = [], []
-  for line in (replay_dir / CONSUMED_LOG).read_text().splitlines():
-    rec = json.loads(line)
-    (discarded if rec.get("discarded") else committed).extend(rec["ids"])
-  return pushed, committed, discarded
-
-
-def pending_on_disk(replay_dir: Path) -> list[str]:
-  q = ReplayQueue(ReplayConfig(directory=str(replay_dir), compact_after=0))
-  try:
-    return q.pending_ids()
-  finally:
-    q.close()
 
 
 def check_token_versions(replay_dir: Path, committed: list[str], eta: int) -> int:
