@@ -98,7 +98,7 @@ def _b(dtype: str) -> int:
 
 def causal_score_entries(row_len: int, block: int) -> int:
   """Query x key entries of causal attention over one row in query blocks of `block`
-  (transformer.attend_causal: block i sees the keys up to its end)."""
+  (attention.attend_causal: block i sees the keys up to its end)."""
   if block <= 0 or row_len <= block or row_len % block:
     return row_len * row_len
   n = row_len // block
