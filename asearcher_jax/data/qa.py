@@ -1,7 +1,8 @@
 """QA sets in the formats the community ships, read into one schema with stable ids.
 
 Readers accept what people actually have on disk: ASearcher's test-data layout
-(`{data_dir}/{name}/{split}.jsonl` with `question` and `answer` or `gt`), FlashRAG rows
+(`{data_dir}/{name}/{split}.jsonl` with `question` and `answer` or `gt`) and training sets
+(`question`, `answer`, `source`, `aug_answer`, `qid`: nothing dropped), FlashRAG rows
 (`golden_answers`), verl rows (`prompt` messages, `reward_model.ground_truth`, `extra_info`),
 HotpotQA / 2Wiki / MuSiQue records (`_id`, `answer`, `answer_aliases`), TriviaQA (`answer.aliases`),
 FRAMES (`Prompt`/`Question`, `Answer`), Bamboogle (CSV or JSON), StrategyQA (boolean answers) and
@@ -90,6 +91,9 @@ class QAExample:
   aug_answers: tuple[str, ...] = ()
   valid_inst: bool = False
   bucket: str = ""
+  # The record's own `source` field (ASearcher's 35k sets and SimpleDeepSearcher rows: the upstream
+  # set a question came from), kept for per-source reports; "" when the record has none.
+  origin: str = ""
 
 
 def _open_text(path: Path) -> str:
@@ -258,6 +262,17 @@ def _dedup(items: list[str]) -> tuple[str, ...]:
   return tuple(seen)
 
 
+def _record_id(row: Mapping[str, Any], index: int) -> str:
+  """The record's own id (`id`, `_id`, ASearcher's `qid`, ...), else its 0-based row index."""
+  raw_id = next((_get(row, n) for n in _ID_FIELDS if _get(row, n) not in (None, "")), None)
+  return str(raw_id) if raw_id is not None else str(index)
+
+
+def _origin(row: Mapping[str, Any]) -> str:
+  value = row.get("source")
+  return value.strip() if isinstance(value, str) else ""
+
+
 def parse_record(row: Any, *, where: str, index: int, dataset: str) -> QAExample:
   """One record in any supported format; `where` ("file:line") goes into every error."""
   if not isinstance(row, Mapping):
@@ -276,14 +291,14 @@ def parse_record(row: Any, *, where: str, index: int, dataset: str) -> QAExample
     raise DatasetError(f"{where}: missing field 'answer' (looked for {', '.join(_ANSWER_FIELDS)})")
   for name in _ALIAS_FIELDS:
     answers += _answer_list(_get(row, name))
-  raw_id = next((_get(row, n) for n in _ID_FIELDS if _get(row, n) not in (None, "")), None)
   return QAExample(
-    id=str(raw_id) if raw_id is not None else str(index),
+    id=_record_id(row, index),
     question=question,
     answers=_dedup(answers),
     dataset=dataset,
     source=where,
     sensitive=bool(row.get("__sensitive__")),
+    origin=_origin(row),
   )
 
 
@@ -360,9 +375,15 @@ DEFAULT_TRAINING_QA = DEFAULT_TRAINING_QA / "hipporag_hotpotqa_train100.json.gz"
 def load_training_qa(
   path: str | Path | None = None, *, limit: int | None = None
 ) -> list[QAExample]:
-  """RL questions from a .json / .json.gz list or .jsonl(.gz) file with `question` and `answer`
-  (str) or `answers` (list) fields, plus `aug_answers` and a curriculum bucket when present --
-  HotpotQA's, ASearcher's and SynthWiki's formats. Default: the shipped HotpotQA-100."""
+  """RL questions from a .json / .json.gz list or .jsonl(.gz) file: HotpotQA's, SynthWiki's and
+  ASearcher's released training sets (`ASearcher-Base-35k.jsonl`: `question`, `answer` (a list),
+  `source`, `aug_answer` (a list), `qid`). Default: the shipped HotpotQA-100.
+
+  Alternative answers (`aug_answer`, or `aug_answers`) stay apart from the gold answers because
+  the reward blends them at a lower weight; the record's id (`qid`, `id`, `_id`, ...) is kept so
+  logs and replays name the question the way the released data does (duplicates are allowed:
+  group keys come from the data cursor, not the id).
+  """
   path = Path(path) if path else DEFAULT_TRAINING_QA
   if path.is_dir():
     raise DatasetError(f"{path} is a directory, not a QA file (.json / .jsonl, optionally .gz)")
@@ -377,19 +398,20 @@ def load_training_qa(
       raise DatasetError(f"{path}:{line}: a record must be a JSON object, got {type(r).__name__}")
     if not isinstance(r.get("question"), str):
       raise DatasetError(f"{path}:{line}: no 'question' string in the record")
-    answers = r.get("answers", r.get("answer"))
-    answers = [answers] if isinstance(answers, str) else list(answers or [])
+    answers = _dedup(_answer_list(r.get("answers", r.get("answer"))))
     if not answers:
       raise DatasetError(f"{path}:{line}: no 'answer' (str) or 'answers' (list) in the record")
+    aug = _answer_list(r.get("aug_answer")) + _answer_list(r.get("aug_answers"))
     items.append(
       QAExample(
-        id=str(r.get("id", r.get("_id", i))),
+        id=_record_id(r, i),
         question=str(r["question"]),
-        answers=tuple(str(a) for a in answers),
+        answers=answers,
         dataset=stem.split(".")[0],
-        source=f"{path}:{i + 1}",
-        aug_answers=tuple(str(a) for a in r.get("aug_answers", ())),
+        source=f"{path}:{line}",
+        aug_answers=_dedup(aug),
         bucket=_bucket(r),
+        origin=_origin(r),
       )
     )
   if not items:
