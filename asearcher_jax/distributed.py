@@ -218,3 +218,47 @@ def gather_to_host(tree):
     return np.asarray(jax.device_get(x))
 
   return jax.tree.map(one, tree)
+
+
+# --- coordination-service primitives (safe from any thread) ------------------------------------
+# `broadcast_bytes`, `agree` and Orbax's default barriers are XLA collectives: every process
+# must launch them in the same order as every other collective, so they belong on the
+# trainer's thread. These go through the coordination service's key-value store instead, never
+# through the devices: a writer thread may wait on them while the train step's collectives run.
+
+
+def _client():
+  from jax._src import distributed as jax_distributed
+
+  client = jax_distributed.global_state.client
+  if client is None:
+    raise RuntimeError("jax.distributed is not initialised: no coordination service to use")
+  return client
+
+
+def kv_barrier(key: str, timeout_s: float) -> None:
+  """Waits until every process reached barrier `key` (unique per use), at most `timeout_s`
+  seconds (then raises TimeoutError naming it); one process returns at once."""
+  if not multi_process():
+    return
+  try:
+    _client().wait_at_barrier(key, max(1, int(timeout_s * 1000)))
+  except Exception as e:  # XlaRuntimeError DEADLINE_EXCEEDED, or a peer that died
+    raise TimeoutError(
+      f"barrier {key!r}: not every process arrived within {timeout_s:g} s ({e})"
+    ) from e
+
+
+def kv_set(key: str, value: str) -> None:
+  """Publishes `value` under `key` for every process (written once)."""
+  _client().key_value_set(key, value)
+
+
+def kv_get(key: str, timeout_s: float) -> str | None:
+  """The value set under `key`, waiting at most `timeout_s` seconds; None if none came."""
+  try:
+    return _client().blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+  except Exception as e:
+    if "DEADLINE_EXCEEDED" in str(e) or "deadline" in str(e).lower():
+      return None
+    raise

@@ -36,22 +36,27 @@ its first background write).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 
+from asearcher_jax import distributed
+from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.serving.weights_dir import (
   ParamsSink,
+  Snapshot,
   StorePath,
   prune_versions,
+  snapshot,
   store_path,
-  write_version,
+  write_snapshot,
 )
 
 log = logging.getLogger(__name__)
@@ -157,12 +162,15 @@ class InProcessWeightSync:
     self._closed = True
 
 
+_publishers = itertools.count()  # every process creates its publishers in the same order
+
+
 class DirectoryWeightPublisher:
   """Trainer side: writes each version into the weight store, then moves the LATEST pointer.
 
-  On a multi-host trainer every process publishes (each writes its own shards, in the call).
-  With `config.background` and no jax.distributed the writes run on a writer thread (module
-  docstring); call `close()` when done."""
+  On a multi-host trainer every process publishes (each writes its own shards). With
+  `config.background` the writes run on a writer thread (module docstring), under
+  jax.distributed too; call `close()` when done."""
 
   def __init__(
     self,
@@ -177,28 +185,36 @@ class DirectoryWeightPublisher:
     self.written: list[int] = []  # versions committed to the store, in order
     self.superseded: list[int] = []  # versions replaced before their write started
     self._cond = threading.Condition()
-    self._pending: tuple[Any, int] | None = None  # (params, version) waiting for the writer
+    self._pending: dict[int, Snapshot] = {}  # version -> snapshot waiting for the writer
     self._writing: int | None = None  # the version being written
     self._error: BaseException | None = None
     self._last: dict[str, float] = {}  # figures of the last completed write
     self._closed = False
     self._thread: threading.Thread | None = None
+    # Coordination-service keys: the same on every process (same creation and write order).
+    self._key = f"asearcher/weight_publisher/{next(_publishers)}"
+    self._writes = itertools.count()
+    self._picks = itertools.count()
+    self._cfg: ModelConfig | None = None  # the model's config, written beside each version
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
     with self._cond:
       if self._closed:
         raise RuntimeError(f"weight publisher for {self.root} is closed")
-    # Under jax.distributed (even one process, as `launch --backend local` starts it) Orbax
-    # coordinates every save through the distributed service; a save from a second thread beside
-    # the checkpoint's deadlocked there until its 5-minute timeout. So: in the call.
-    if not self.config.background or jax.distributed.is_initialized():
-      self._raise_error()
-      return self._publish_blocking(learner)
-    t0 = time.perf_counter()
     self._raise_error()
-    # On this thread (the next step donates the learner's buffers); the cast to the publish
-    # dtype and everything after it run on the writer.
-    params = learner.params_copy()
+    t0 = time.perf_counter()
+    self._remember_config(learner.params)
+    # On this thread: the copy (the next step donates the learner's buffers), the cast to the
+    # publish dtype and the start of the device->host copies (XLA work every process launches
+    # in the same order); the writer only waits for host bytes and writes them.
+    snap = snapshot(learner.params_copy(), dtype=self.config.dtype)
+    snapshot_s = time.perf_counter() - t0
+    if not self.config.background:
+      path = self.write(snap, learner.version)
+      total = time.perf_counter() - t0
+      self.written.append(learner.version)
+      figures = self._figures(snap, total, learner.version, path)
+      return {**figures, "weight_sync/charged_s": total, "weight_sync/snapshot_s": snapshot_s}
     with self._cond:
       if self._closed:
         raise RuntimeError(f"weight publisher for {self.root} is closed")
@@ -206,9 +222,10 @@ class DirectoryWeightPublisher:
         self._thread = threading.Thread(target=self._write_loop, name="weight-publisher",
                                         daemon=True)  # fmt: skip
         self._thread.start()
-      if self._pending is not None:
-        self.superseded.append(self._pending[1])
-      self._pending = (params, learner.version)
+      if self._decides():  # the newest replaces any version still waiting (module docstring)
+        self.superseded += sorted(self._pending)
+        self._pending.clear()
+      self._pending[learner.version] = snap
       self._cond.notify_all()
       last = dict(self._last)
     # The trainer tells the staleness manager the learner's version at once: servers stamp
@@ -216,6 +233,7 @@ class DirectoryWeightPublisher:
     # stays exact while the write completes.
     return {
       **last, "weight_sync/charged_s": time.perf_counter() - t0,
+      "weight_sync/snapshot_s": snapshot_s,
       "weight_sync/superseded": float(len(self.superseded)),
     }  # fmt: skip
 
@@ -224,7 +242,7 @@ class DirectoryWeightPublisher:
     or TimeoutError after `timeout` (default `config.timeout_s`) seconds."""
     deadline = time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
     with self._cond:
-      while self._pending is not None or self._writing is not None:
+      while self._pending or self._writing is not None:
         self._wait(deadline, "the weight writes to finish")
     self._raise_error()
 
@@ -244,29 +262,33 @@ class DirectoryWeightPublisher:
         self._thread.join(5.0)
         self._thread = None
 
-  def write(self, params: nnx.State, version: int) -> epath.Path:
-    """Writes `params` as `version` now, on the caller's thread; returns its directory."""
-    final = write_version(
-      self.root, nnx.merge(self.graphdef, params), version, dtype=self.config.dtype,
-      compress=self.config.compress,
+  def write(self, params: Snapshot | nnx.State, version: int) -> epath.Path:
+    """Writes `params` (a `snapshot`, or a state taken now) as `version` on the caller's
+    thread; returns its directory. Every process calls it for the same versions in order."""
+    if not isinstance(params, Snapshot):
+      self._remember_config(params)
+    snap = params if isinstance(params, Snapshot) else snapshot(params, dtype=self.config.dtype)
+    assert self._cfg is not None, "write a Snapshot only after a publish or a write of a state"
+    final = write_snapshot(
+      self.root, snap, version, self._cfg, compress=self.config.compress,
+      sync_key=f"{self._key}/write/{next(self._writes)}", timeout_s=self.config.timeout_s,
     )  # fmt: skip
     prune_versions(self.root, keep=self.config.keep_versions, newest=version)
     return final
 
   # --- internals ------------------------------------------------------------------------------
 
-  def _publish_blocking(self, learner: PolicySource) -> dict[str, float]:
-    t0 = time.perf_counter()
-    params = learner.params_copy()
-    path = self.write(params, learner.version)
-    total = time.perf_counter() - t0
-    self.written.append(learner.version)
-    figures = self._figures(params, total, learner.version, path)
-    return {**figures, "weight_sync/charged_s": total}
+  def _remember_config(self, params: nnx.State) -> None:
+    if self._cfg is None:  # merging references the arrays, copies nothing
+      self._cfg = nnx.merge(self.graphdef, params).cfg
 
-  def _figures(self, params: Any, seconds: float, version: int, path: epath.Path):
-    dtype = self.config.dtype
-    gb = sum(x.size * jnp.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(params)) / 1e9
+  def _decides(self) -> bool:
+    """Whether this process chooses which waiting version is written next (process 0; on
+    several processes the others write what it announces, so all write the same versions)."""
+    return jax.process_index() == 0
+
+  def _figures(self, snap: Snapshot, seconds: float, version: int, path: epath.Path):
+    gb = snap.nbytes / 1e9
     log.info("published version %d to %s: %.3f GB in %.2f s", version, path, gb, seconds)
     return {"weight_sync/total_s": seconds, "weight_sync/gb": gb,
             "weight_sync/s_per_gb": seconds / gb}  # fmt: skip
@@ -287,20 +309,61 @@ class DirectoryWeightPublisher:
     if error is not None:
       raise RuntimeError(f"writing weights to {self.root} failed: {error}") from error
 
+  def _next_version(self) -> tuple[int, Snapshot] | None:
+    """The version to write next and its snapshot, or None once closed with nothing left.
+
+    Process 0 takes the newest waiting version and announces it through the coordination
+    service's key-value store; every other process waits for the announcement, then for its
+    own snapshot of that version, and drops the older ones it holds (superseded there too)."""
+    pick = f"{self._key}/pick/{next(self._picks)}"
+    multi = jax.process_count() > 1
+    if self._decides():
+      with self._cond:
+        while not self._pending and not self._closed:
+          self._cond.wait(1.0)
+        if not self._pending:
+          return None
+        version = max(self._pending)
+        self.superseded += sorted(v for v in self._pending if v < version)
+        snap = self._pending.pop(version)
+        self._pending.clear()
+        self._writing = version
+      if multi:
+        distributed.kv_set(pick, str(version))
+      return version, snap
+    while (value := distributed.kv_get(pick, 1.0)) is None:
+      with self._cond:
+        if self._closed and not self._pending:
+          return None
+    version = int(value)
+    deadline = time.monotonic() + self.config.timeout_s
+    with self._cond:
+      while version not in self._pending:
+        self._wait(deadline, f"version {version} (process 0 is writing it)")
+      self.superseded += sorted(v for v in self._pending if v < version)
+      snap = self._pending.pop(version)
+      for v in [v for v in self._pending if v < version]:
+        del self._pending[v]
+      self._writing = version
+    return version, snap
+
   def _write_loop(self) -> None:
     while True:
-      with self._cond:
-        while self._pending is None and not self._closed:
-          self._cond.wait(1.0)
-        if self._pending is None:
-          return
-        (params, version), self._pending = self._pending, None
-        self._writing = version
-        self._cond.notify_all()
+      try:
+        picked = self._next_version()
+      except BaseException as e:  # a follower that never got its snapshot: raised later
+        log.exception("weight publisher for %s: choosing the next version failed", self.root)
+        with self._cond:
+          self._error, self._writing = e, None
+          self._cond.notify_all()
+        continue
+      if picked is None:
+        return
+      version, snap = picked
       try:
         t0 = time.perf_counter()
-        path = self.write(params, version)
-        figures = self._figures(params, time.perf_counter() - t0, version, path)
+        path = self.write(snap, version)
+        figures = self._figures(snap, time.perf_counter() - t0, version, path)
         figures["weight_sync/written_version"] = float(version)
       except BaseException as e:  # raised on the trainer's thread at its next call
         log.exception("writing weights version %d to %s failed", version, self.root)

@@ -25,6 +25,7 @@ host without a store keeps the in-process path (`rl.weight_sync.InProcessWeightS
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -36,11 +37,14 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from etils import epath
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
+from asearcher_jax import distributed
 from asearcher_jax.errors import CheckpointError
 from asearcher_jax.model.config import ModelConfig, from_hf_config, to_hf_config
 from asearcher_jax.model.transformer import Transformer
@@ -49,7 +53,9 @@ log = logging.getLogger(__name__)
 
 LATEST = "LATEST"
 COMMITTED = "COMMITTED"
-PARAMS = "params"
+ARRAYS = "arrays"  # one zarr3 array per parameter, one chunk per trainer shard
+PARTS = "parts"  # one marker per trainer process, written once its pieces are
+PARAMS = "params"  # the Orbax checkpoint of stores written before ARRAYS (still read)
 CONFIG = "config.json"
 
 StorePath = str | os.PathLike | epath.Path
@@ -147,52 +153,187 @@ def _leaf(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
   return tree
 
 
-def write_version(
-  root: StorePath, model: nnx.Module, version: int, *, dtype: str | None, compress: bool = False
-) -> epath.Path:
-  """Writes `model`'s parameters as version `version` (cast to `dtype`; None keeps each param's
-  dtype), then moves LATEST to it; returns the version's directory. `compress`: zstd chunks
-  (~22 % fewer bytes for bf16 weights, ~1.7x the write time on CPU; readers need nothing).
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  """One parameter of a snapshot: its global shape and dtype, and the pieces this process writes
+  (the shards with replica_id 0 among those its devices hold: each piece is written once, by
+  one process) as (global index, device array or host copy)."""
 
-  Every process of a multi-host trainer calls this (Orbax writes each process's shards); only
-  process 0 writes the config, the commit marker and the pointer. An existing directory of the
-  same version (a trainer resumed from an older checkpoint) is uncommitted first, then rewritten.
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  chunk: tuple[int, ...]
+  pieces: list[tuple[tuple[slice, ...], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """One version's parameters as this process's own shards, on their way to the host.
+
+  Taken on the trainer's thread (`snapshot`): the cast to the publish dtype runs there (an XLA
+  program every process must launch in order) and the device->host copies start there; the
+  writer (`write_snapshot`, any thread) only waits for host bytes and writes them, so it issues
+  no XLA computation and no collective that could interleave with the train step's.
+  """
+
+  leaves: dict[str, _Leaf]
+  nbytes: int  # bytes of the whole version (every process's pieces together)
+
+  def dtypes(self) -> str:
+    return ",".join(sorted({str(leaf.dtype) for leaf in self.leaves.values()}))
+
+  def to_host(self) -> None:
+    """Waits for the copies; drops the device buffers (the version no longer holds HBM)."""
+    for leaf in self.leaves.values():
+      leaf.pieces[:] = [(index, np.asarray(data)) for index, data in leaf.pieces]
+
+
+def _name(path: tuple[Any, ...]) -> str:
+  return ".".join(str(k) for k in path)
+
+
+def snapshot(params: nnx.State, *, dtype: str | None) -> Snapshot:
+  """`params` cast to `dtype` (None keeps each param's) as this process's own shards, with their
+  device->host copies started. Call on the trainer's thread, on a copy that survives the next
+  (donating) step, as `rl.weight_sync` does."""
+  out_dtype = None if dtype is None else jnp.dtype(dtype)
+  leaves: dict[str, _Leaf] = {}
+  nbytes = 0
+  for path, var in nnx.to_flat_state(params):
+    x = var.get_value() if isinstance(var, nnx.Variable) else var
+    if out_dtype is not None and x.dtype != out_dtype:
+      x = x.astype(out_dtype)  # on device, sharding kept
+    shape = tuple(x.shape)
+    nbytes += int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
+    if not isinstance(x, jax.Array):
+      arr = np.asarray(x)
+      leaves[_name(path)] = _Leaf(
+        shape, arr.dtype, shape, [(tuple(slice(None) for _ in shape), arr)]
+      )
+      continue
+    pieces = []
+    for shard in x.addressable_shards:
+      if shard.replica_id == 0:
+        shard.data.copy_to_host_async()
+        pieces.append((shard.index, shard.data))
+    leaves[_name(path)] = _Leaf(shape, np.dtype(x.dtype), _chunk(x), pieces)
+  return Snapshot(leaves=leaves, nbytes=nbytes)
+
+
+def _chunk(x: jax.Array) -> tuple[int, ...]:
+  """The largest shard's shape: one chunk per shard, so no two processes share a chunk (an
+  uneven split's last shard is a partial edge chunk)."""
+  spans = x.sharding.devices_indices_map(tuple(x.shape)).values()
+  return tuple(
+    max(1, max(len(range(*s[d].indices(n))) for s in spans)) for d, n in enumerate(x.shape)
+  )
+
+
+def _kvstore(path: epath.Path) -> dict[str, Any]:
+  """A tensorstore kvstore spec for a local path or a gs:// URL (the library's own GCS driver,
+  no mount)."""
+  text = os.fspath(path)
+  if text.startswith("gs://"):
+    bucket, _, key = text.removeprefix("gs://").partition("/")
+    return {"driver": "gcs", "bucket": bucket, "path": key.rstrip("/") + "/"}
+  if _is_url(text):
+    raise CheckpointError(f"weight store {text}: only local paths and gs:// URLs are supported")
+  return {"driver": "file", "path": text.rstrip("/") + "/"}
+
+
+def _array_spec(path: epath.Path, leaf: _Leaf | None = None, *, compress: bool = False) -> dict:
+  spec: dict[str, Any] = {"driver": "zarr3", "kvstore": _kvstore(path)}
+  if leaf is not None:
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if compress:
+      codecs.append({"name": "zstd", "configuration": {"level": 3}})
+    spec["metadata"] = {
+      "shape": list(leaf.shape),
+      "data_type": leaf.dtype.name,
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(leaf.chunk)}},
+      "codecs": codecs,
+    }
+  return spec
+
+
+def write_snapshot(
+  root: StorePath,
+  snap: Snapshot,
+  version: int,
+  cfg: ModelConfig,
+  *,
+  compress: bool = False,
+  sync_key: str,
+  timeout_s: float = 600.0,
+) -> epath.Path:
+  """Writes `snap` as version `version`, then moves LATEST to it; returns its directory.
+
+  Every process of a multi-host trainer calls it with its own snapshot (the same `version` and
+  `sync_key`, unique per write) and writes its own pieces: one chunk per shard, so processes
+  never touch the same file. Process 0 prepares the directory and the arrays' metadata; each
+  process then writes its pieces and a part marker; process 0 writes the config, the commit
+  marker and the pointer once every part marker exists, so a reader never sees a version
+  missing one process's shards. The processes meet at coordination-service barriers (each at
+  most `timeout_s`), never at device collectives: this may run on a writer thread beside the
+  train step. An existing directory of the same version (a trainer resumed from an older
+  checkpoint) is uncommitted first, then rewritten. `compress`: zstd chunks.
   """
   root = store_path(root)
   final = version_dir(root, version)
   lead = jax.process_index() == 0
+  arrays = final / ARRAYS
   if lead:
     root.mkdir(parents=True, exist_ok=True)
     if final.exists():
       (final / COMMITTED).unlink(missing_ok=True)  # readers refuse it from here on
       final.rmtree()
-    final.mkdir(parents=True)
-  _barrier(f"weights_dir_prepare_v{version}")  # nobody writes into a directory being replaced
-  out_dtype = None if dtype is None else jnp.dtype(dtype)
-  arrays = _tree(nnx.split(model)[1])
-  if out_dtype is not None:
-    arrays = jax.tree.map(lambda x: x.astype(out_dtype), arrays)  # on device, sharding kept
-  nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
-  with _checkpointer(compress) as ckpt:
-    ckpt.save(final / PARAMS, args=ocp.args.PyTreeSave(arrays))
+    (final / PARTS).mkdir(parents=True)
+    created = [
+      ts.open(_array_spec(arrays / name, leaf, compress=compress), create=True)
+      for name, leaf in snap.leaves.items()
+    ]
+    for future in created:
+      future.result()
+  distributed.kv_barrier(f"{sync_key}/prepared", timeout_s)  # metadata exists, old dir gone
+  snap.to_host()
+  opened = {name: ts.open(_array_spec(arrays / name), open=True) for name in snap.leaves}
+  writes = []
+  for name, leaf in snap.leaves.items():
+    store = opened[name].result()
+    writes += [store[index].write(piece) for index, piece in leaf.pieces]
+  for w in writes:
+    w.result()
+  me = jax.process_index()
+  pieces = sum(len(leaf.pieces) for leaf in snap.leaves.values())
+  (final / PARTS / f"process_{me}.json").write_text(json.dumps({"pieces": pieces}))
+  distributed.kv_barrier(f"{sync_key}/written", timeout_s)
   if lead:
-    cfg: ModelConfig = model.cfg
+    missing = [
+      i for i in range(jax.process_count()) if not (final / PARTS / f"process_{i}.json").exists()
+    ]
+    if missing:
+      raise CheckpointError(f"weights version {final}: no part from processes {missing}")
     (final / CONFIG).write_text(json.dumps(to_hf_config(cfg), indent=2))
-    stored = ",".join(sorted({str(x.dtype) for x in jax.tree.leaves(arrays)}))
-    marker = {"version": version, "dtype": stored, "bytes": int(nbytes), "time": time.time()}
+    marker = {"version": version, "dtype": snap.dtypes(), "bytes": snap.nbytes, "time": time.time()}
     (final / COMMITTED).write_text(json.dumps(marker))
     pointer = {"version": version, "path": final.name, "time": time.time()}
     _write_atomic(root / LATEST, json.dumps(pointer))
-  _barrier(f"weights_dir_commit_v{version}")  # every process returns once the version is live
+  distributed.kv_barrier(f"{sync_key}/committed", timeout_s)  # the version is live everywhere
   return final
 
 
-_barriers = itertools.count()  # every process publishes in the same order: the same ids
+_writes = itertools.count()  # every process writes in the same order: the same keys
 
 
-def _barrier(name: str) -> None:
-  if jax.process_count() > 1:
-    ocp.multihost.sync_global_processes(f"{name}_{next(_barriers)}")
+def write_version(
+  root: StorePath, model: nnx.Module, version: int, *, dtype: str | None, compress: bool = False
+) -> epath.Path:
+  """Writes `model`'s parameters as version `version` (cast to `dtype`; None keeps each param's
+  dtype), then moves LATEST to it; returns the version's directory. `compress`: zstd chunks
+  (fewer bytes for a slow link; readers need nothing). Every process of a multi-host trainer
+  calls this, in the same order (`write_snapshot`)."""
+  snap = snapshot(nnx.split(model)[1], dtype=dtype)
+  key = f"asearcher/weights_dir/write_version/{next(_writes)}"
+  return write_snapshot(root, snap, version, model.cfg, compress=compress, sync_key=key)
 
 
 def _checkpointer(compress: bool) -> ocp.Checkpointer:
@@ -241,8 +382,12 @@ def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.Sta
     for key in p[:-1]:
       node = node.setdefault(str(key), {})
     node[str(p[-1])] = leaf
-  # Every array read straight onto its target sharding (each device reads only its slices)
-  # and cast to the target dtype on the way.
+  if (path / ARRAYS).exists():
+    for p, var in flat:
+      var.set_value(_read_array(path, p, _leaf(abstract, p)))
+    return nnx.from_flat_state(flat)
+  # A store written before the arrays moved to one tensorstore array per parameter: an Orbax
+  # checkpoint. Every array read straight onto its target sharding, cast on the way.
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   try:
     with _checkpointer(False) as ckpt:
@@ -254,6 +399,25 @@ def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.Sta
   for p, var in flat:
     var.set_value(_leaf(restored, p))
   return nnx.from_flat_state(flat)
+
+
+def _read_array(path: epath.Path, p: tuple[Any, ...], want: jax.ShapeDtypeStruct) -> jax.Array:
+  """One parameter read onto `want`'s sharding and dtype: each device reads only its slice."""
+  name = _name(p)
+  try:
+    store = ts.open(_array_spec(path / ARRAYS / name), open=True).result()
+  except ValueError as e:
+    raise CheckpointError(f"cannot read {name} of weights version {path}: {e}") from e
+  if tuple(store.shape) != tuple(want.shape):
+    raise CheckpointError(
+      f"weights version {path} holds {name} with shape {tuple(store.shape)}, the model "
+      f"config says {tuple(want.shape)}"
+    )
+
+  def piece(index: tuple[slice, ...]) -> np.ndarray:
+    return np.asarray(store[index].read().result()).astype(want.dtype)
+
+  return jax.make_array_from_callback(want.shape, want.sharding, piece)
 
 
 class WeightStore:

@@ -294,23 +294,25 @@ def test_background_write_errors_surface_and_close_times_out(tmp_path):
     failing.close(timeout=60)
 
 
-def test_a_trainer_under_jax_distributed_publishes_in_the_call(tmp_path, monkeypatch):
-  """Under jax.distributed (several processes, or one as the local launcher starts it) the
-  trainer writes in the call: Orbax coordinates saves through the distributed service, and a
-  weights save on a second thread beside a checkpoint save deadlocked there."""
+def test_a_trainer_under_jax_distributed_publishes_in_the_background_too(tmp_path, monkeypatch):
+  """Under jax.distributed (one process here, as the local launcher starts it) the write still
+  runs on the writer thread: it goes through tensorstore and coordination-service barriers, no
+  Orbax save and no collective (two processes: tests/rl/test_multihost.py)."""
   model = tiny_model()
   learner = make_learner(model)
   publisher = GatedPublisher(tmp_path / "w", nnx.split(model)[0], config=BACKGROUND)
-  publisher.write = lambda params, v: (publisher.started.append(v), publisher.gate.wait(30))
   monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
-  call = threading.Thread(target=publisher.publish, args=(learner,), daemon=True)
-  call.start()
-  call.join(0.3)
-  assert call.is_alive() and publisher.started == [0]  # the write runs inside publish
+  metrics = publisher.publish(learner)  # returns with the write stuck at the gate
+  assert publisher.written == [] and metrics["weight_sync/snapshot_s"] >= 0
+  deadline = time.monotonic() + 30
+  while publisher.started != [0]:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+  assert publisher._thread is not None and publisher._thread.is_alive()
   publisher.gate.set()
-  call.join(60)
-  assert not call.is_alive() and publisher.written == [0] and publisher._thread is None
-  publisher.close(timeout=5)
+  publisher.close(timeout=60)
+  assert publisher.written == [0] and versions(tmp_path / "w") == [0]
+  assert leaves_equal(load_version(tmp_path / "w" / "v00000000"), bf16(learner.params))
 
 
 def test_every_weight_sync_flushes_and_closes_once(tmp_path):

@@ -299,8 +299,11 @@ def test_two_trainer_processes_write_their_own_shards(tmp_path):
     for p in procs:
       p.kill()
   assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-  params = tmp_path / "w" / "v00000002" / "params"
-  assert (params / "ocdbt.process_0").is_dir() and (params / "ocdbt.process_1").is_dir()
+  parts = tmp_path / "w" / "v00000002" / wd.PARTS
+  assert sorted(p.name for p in parts.iterdir()) == ["process_0.json", "process_1.json"]
+  # Each process wrote its own shards (fsdp=8 over 2 x 4 devices): both wrote pieces.
+  pieces = [json.loads((parts / f"process_{i}.json").read_text())["pieces"] for i in (0, 1)]
+  assert min(pieces) > 0 and sum(pieces) > len(nnx.to_flat_state(nnx.split(model(seed=3))[1]))
   store = wd.WeightStore(tmp_path / "w")
   assert store.latest()["version"] == 2 and store.versions() == [2]
   _, state = nnx.split(model(seed=3))
