@@ -184,6 +184,7 @@ class DirectoryWeightPublisher:
     self.config = config
     self.written: list[int] = []  # versions committed to the store, in order
     self.superseded: list[int] = []  # versions replaced before their write started
+    self.write_s: dict[int, float] = {}  # seconds each committed version's write took
     self._cond = threading.Condition()
     self._pending: dict[int, Snapshot] = {}  # version -> snapshot waiting for the writer
     self._writing: int | None = None  # the version being written
@@ -213,6 +214,7 @@ class DirectoryWeightPublisher:
       path = self.write(snap, learner.version)
       total = time.perf_counter() - t0
       self.written.append(learner.version)
+      self.write_s[learner.version] = total - snapshot_s
       figures = self._figures(snap, total, learner.version, path)
       return {**figures, "weight_sync/charged_s": total, "weight_sync/snapshot_s": snapshot_s}
     with self._cond:
@@ -376,5 +378,6 @@ class DirectoryWeightPublisher:
           self._error = error
         else:
           self.written.append(version)
+          self.write_s[version] = figures["weight_sync/total_s"]
           self._last = figures
         self._cond.notify_all()

@@ -10,7 +10,8 @@ also the lead's weight sync: every published version's parameters are written to
 `out/params_v<version>.npz`, the oracle the test compares across process layouts (the
 parameters are gathered to process 0 for it: `TrainerConfig.gather_weights`). With "store",
 every process publishes instead into the sharded weight store (`rl.weight_sync`
-DirectoryWeightPublisher, float32) at run/weights, writing the shards it holds. With "export",
+DirectoryWeightPublisher, float32) at run/weights, writing the shards it holds; with
+"background" too, on each process's writer thread while the next steps train. With "export",
 the final policy is also saved as a Hugging Face checkpoint (`hf_io.save`).
 
 Run: python -m tests.rl.multihost_worker '<json spec>' (see `test_multihost.worker_spec`).
@@ -89,15 +90,16 @@ class ScriptedRollout:
   def publish(self, learner) -> dict[str, float]:
     import jax
 
+    metrics: dict[str, float] = {}
     if self.store is not None:
-      self.store.publish(learner)
+      metrics = self.store.publish(learner)
     else:
       params = jax.device_get(learner.params_copy())
       flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(params)}
       np.savez(self.out / f"params_v{learner.version}.npz", **flat)
     self.staleness.set_version(learner.version)
     self.fill()
-    return {}
+    return metrics
 
 
 def main(spec: dict) -> None:
@@ -156,7 +158,10 @@ def main(spec: dict) -> None:
     rollout.resume_from(run / "replay")
   store = None
   if spec.get("store"):  # every process publishes the shards it holds
-    store = DirectoryWeightPublisher(run / "weights", graphdef, config=WeightSyncConfig(dtype=None))
+    sync = WeightSyncConfig(dtype=None)
+    if spec.get("background"):  # on a writer thread; every committed version kept for the test
+      sync = WeightSyncConfig(dtype=None, background=True, keep_versions=100, timeout_s=120)
+    store = DirectoryWeightPublisher(run / "weights", graphdef, config=sync)
     if lead:
       rollout.store = store
   ckpt = Checkpointer(CheckpointConfig(directory=str(run / "ckpt"), max_to_keep=3))
@@ -196,6 +201,9 @@ def main(spec: dict) -> None:
     "trained_ids": trainer.trained_ids,
     "history": trainer.history,
   }
+  if store is not None:
+    result["store"] = {"written": store.written, "superseded": store.superseded,
+                       "write_s": store.write_s}  # fmt: skip
   if lead:
     result["staleness"] = staleness.stats()
     result["pending"] = replay.pending_ids()

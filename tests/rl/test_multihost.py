@@ -188,6 +188,36 @@ def test_two_processes_train_like_one_and_resume_after_sigkill(tmp_path, referen
   assert_params_close(flat_params(nnx.split(model)[1]), params(reference, STEPS))
 
 
+@pytest.mark.slow
+def test_two_processes_publish_in_the_background_beside_checkpoints(tmp_path, reference):
+  """Both processes publish every version on their writer threads while the next steps train
+  and Orbax checkpoints on the trainer thread (the pair that deadlocked when the weights went
+  through Orbax too): no wait hangs (every one has a timeout; the run must finish), every
+  committed version holds the learner's parameters of its own step, a superseded version is
+  never half-written, both processes wrote the same versions, and the trainer thread's share
+  of a publish is small against the write."""
+  run_dir = tmp_path / "background"
+  procs = launch(run_dir, 2, store=True, background=True)
+  finish(procs, timeout=300, what="workers", logs=lambda: logs(run_dir))
+  lead, follower = (json.loads((run_dir / "out" / f"result_{i}.json").read_text()) for i in (0, 1))
+  assert lead["version"] == STEPS == follower["version"]
+  assert lead["store"]["written"] == follower["store"]["written"]
+  written, superseded = lead["store"]["written"], lead["store"]["superseded"]
+  assert written[-1] == STEPS and sorted(written + superseded) == list(range(1, STEPS + 1))
+  assert versions(run_dir / "weights") == written  # committed: every process's part is there
+  for v in written:
+    got = flat_params(load_version(version_dir(run_dir / "weights", v)))
+    assert_params_close(got, params(reference, v))
+    parts = sorted(p.name for p in (version_dir(run_dir / "weights", v) / "parts").iterdir())
+    assert parts == ["process_0.json", "process_1.json"]
+  charged = [m["weight_sync/charged_s"] for m in lead["history"] if "weight_sync/charged_s" in m]
+  writes = list(lead["store"]["write_s"].values())
+  assert len(charged) == STEPS and writes
+  # The trainer thread takes the copy and starts the device->host transfer; the writer waits
+  # for the bytes, writes them and meets the other process at three barriers.
+  assert float(np.median(charged)) < 0.5 * float(np.median(writes)), (charged, writes)
+
+
 # --- fast checks of the bootstrap -------------------------------------------------------------
 
 
