@@ -61,8 +61,16 @@ def _bucket(spec: ClusterSpec) -> tuple[str, str]:
 
 
 def shared(spec: ClusterSpec) -> str:
-  """The run's directory on the bucket mount (run dir, address files, weights store)."""
+  """The run's directory on the bucket mount (run dir, replay journal, address files); the same
+  objects as `storage(spec)`, so a checkpoint written to the URL reads through the mount."""
   return f"{spec.mount}/{_bucket(spec)[1]}{spec.run_dir or 'runs/' + spec.name}"
+
+
+def storage(spec: ClusterSpec) -> str:
+  """The run's directory as a gs:// URL: the weights store and the checkpoints, written by
+  Orbax / tensorstore straight to the bucket (the mount keeps the small shared files)."""
+  name, prefix = _bucket(spec)
+  return f"gs://{name}/{prefix}{spec.run_dir or 'runs/' + spec.name}"
 
 
 def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
@@ -72,7 +80,8 @@ def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
   )
   return roles.Layout(
     gin_files=(spec.experiment,), gin_params=gin_params, run_dir=f"{root}/train",
-    weights_dir=f"{root}/weights", address_files=files, host="0.0.0.0",
+    weights_dir=f"{storage(spec)}/weights", checkpoint_dir=f"{storage(spec)}/train/checkpoints",
+    address_files=files, host="0.0.0.0",
     serve_port=spec.serve_port, retrieval_port=spec.retrieval_port,
     retrieval_address=f"{TRAINER_IP}:{spec.retrieval_port}" if spec.tools == "local" else None,
     asearcher=(f"{VENV}/bin/asearcher",),

@@ -32,8 +32,11 @@ class Layout:
   gin_params: tuple[str, ...] = ()
   # The trainer's run directory (checkpoints, replay, metrics, summary) on the shared filesystem.
   run_dir: str
-  # The weights store: the trainer publishes each version here, every server polls it.
+  # The weights store: the trainer publishes each version here, every server polls it (a
+  # gs:// URL on a pod: tensorstore's GCS driver, not the mount).
   weights_dir: str
+  # Where the trainer's checkpoints go (a gs:// URL on a pod); None: <run_dir>/checkpoints.
+  checkpoint_dir: str | None = None
   # One address file per serving process (the trainer waits for all of them).
   address_files: tuple[str, ...]
   # Where the retrieval server announces itself (local backend), or its fixed "host:port" (a
@@ -90,6 +93,8 @@ def trainer_argv(layout: Layout) -> list[str]:
     f"--gin_param=train_config.RemoteEnginesConfig.address_files=({files},)",
     f"--gin_param=train_config.RemoteEnginesConfig.weights_dir={_q(layout.weights_dir)}",
   ]  # fmt: skip
+  if layout.checkpoint_dir is not None:
+    args.append(f"--gin_param=train_config.TrainConfig.checkpoint_dir={_q(layout.checkpoint_dir)}")
   if layout.retrieval_address is not None:
     where = f"search.LocalRetrievalConfig.addresses=({_q(layout.retrieval_address)},)"
   elif layout.retrieval_addr_dir is not None:

@@ -16,8 +16,8 @@ import json
 
 from asearcher_jax.errors import ConfigValueError
 from asearcher_jax.model.config import ModelConfig
+from asearcher_jax.rl import plan_checkpoint, plan_sim
 from asearcher_jax.rl import plan_memory as mem
-from asearcher_jax.rl import plan_sim
 
 DEFAULT_MODEL = ModelConfig(
   vocab_size=151936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -29,6 +29,7 @@ DEFAULT_TRAINER = mem.TrainerShape()
 DEFAULT_SERVING = mem.ServingShape()
 DEFAULT_WORKLOAD = plan_sim.Workload()
 DEFAULT_SCHEDULE = plan_sim.Schedule()
+DEFAULT_CHECKPOINT = plan_checkpoint.CheckpointPlan()
 
 
 def estimate(
@@ -40,6 +41,7 @@ def estimate(
   workload: plan_sim.Workload,
   schedule: plan_sim.Schedule,
   tokens_per_episode: int,
+  checkpoint: plan_checkpoint.CheckpointPlan = DEFAULT_CHECKPOINT,
 ) -> dict:
   """The plan as a dict (GB per chip by part, fits, step times, async vs sync)."""
   if chip not in mem.CHIPS:
@@ -68,6 +70,12 @@ def estimate(
     "async_trainer_idle": round(rl["async"]["trainer_idle_frac"], 3),
     "async_capacity_ratio": round(rl["async"]["capacity_ratio"], 2),
     "trained_tokens_per_s_async": round(tokens * 10 / rl["async"]["wall_s"], 1),
+    "checkpoint": plan_checkpoint.checkpoint_cost(
+      model.num_params(),
+      checkpoint,
+      trainer_chips=trainer.chips,
+      step_s=rl["async"]["wall_s"] / 10,  # the async run's step: what an interval lasts
+    ),
   }
 
 
@@ -80,6 +88,7 @@ def plan(
   workload: plan_sim.Workload = DEFAULT_WORKLOAD,
   schedule: plan_sim.Schedule = DEFAULT_SCHEDULE,
   tokens_per_episode: int = 4096,
+  checkpoint: plan_checkpoint.CheckpointPlan = DEFAULT_CHECKPOINT,
 ) -> int:
   """Prints the plan (table, then one JSON line); 1 when the target chip's HBM is too small.
 
@@ -91,9 +100,11 @@ def plan(
     workload: The agent workload (searches, tokens per call, tool latency) of the simulation.
     schedule: B groups of n episodes, eta and the in-flight cap of the async run.
     tokens_per_episode: Trained tokens per episode (sets the train step's FLOPs).
+    checkpoint: The recipe's checkpoint policy and write bandwidth (its GB, seconds, storage).
   """
   p = estimate(model=model, chip=chip, trainer=trainer, serving=serving, workload=workload,
-               schedule=schedule, tokens_per_episode=tokens_per_episode)  # fmt: skip
+               schedule=schedule, tokens_per_episode=tokens_per_episode,
+               checkpoint=checkpoint)  # fmt: skip
   print(f"model: {p['model_params_b']} B parameters; target chip {chip}")
   for name, parts, shape in (("trainer", p["trainer_gb_per_chip"], trainer),
                              ("serving", p["serving_gb_per_chip"], serving)):  # fmt: skip
@@ -104,5 +115,10 @@ def plan(
   print(f"train step {p['train_step_s']} s, decode {p['decode_token_ms']} ms/token; "
         f"sync {p['sync_step_s']} s/step, async {p['async_step_s']} s/step: "
         f"{p['speedup_async_vs_sync']}x, async trainer idle {p['async_trainer_idle']}")  # fmt: skip
+  c = p["checkpoint"]
+  print(f"checkpoint every {c['every_steps']} steps, {c['kept']} kept: {c['checkpoint_gb']} GB "
+        f"in {c['checkpoint_write_s']} s at {c['write_gb_s']} GB/s ({c['write_fraction_of_interval']}"
+        f" of the {c['interval_s']} s interval); weights version {c['weights_version_gb']} GB; bucket "
+        f"{c['storage_gb']} GB")  # fmt: skip
   print(json.dumps(p))
   return 0 if p["trainer_fits"][chip] and p["serving_fits"][chip] else 1

@@ -250,7 +250,7 @@ def build_run(
     policy.tokenizer.save(run / "tokenizer")
   if not (run / POLICY_CONFIG).exists():  # with the tokenizer: all `asearcher export` needs
     (run / POLICY_CONFIG).write_text(json.dumps(to_hf_config(policy.module.cfg), indent=2) + "\n")
-  ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
+  ckpt = Checkpointer(checkpoint_config(config, run))
   writer = MetricWriter(run / "metrics")
   trainer = Trainer(
     config=_trainer_config(config),
@@ -276,7 +276,7 @@ def _follower_run(
   """A non-lead process of a multi-process trainer: its share of the learner, the checkpoint
   and the weight store (each writes the shards its devices hold) and a trainer fed by process
   0's batches."""
-  ckpt = Checkpointer(CheckpointConfig(directory=str(run / "checkpoints"), max_to_keep=2))
+  ckpt = Checkpointer(checkpoint_config(config, run))
   writer = MetricWriter(None)  # metrics are process 0's
   publisher = DirectoryWeightPublisher(config.remote.weights_dir, graphdef, config.remote.sync)
   trainer = Trainer(
@@ -288,6 +288,13 @@ def _follower_run(
     staleness=None, replay=None, rollout=None, trainer=trainer, checkpointer=ckpt, writer=writer,
     run_dir=run,
   )  # fmt: skip
+
+
+def checkpoint_config(config: TrainConfig, run: Path) -> CheckpointConfig:
+  """The run's checkpoints: `config.checkpoint_dir` as given (a gs:// URL stays a URL), else
+  <run>/checkpoints; `config.checkpoints_kept` of them."""
+  directory = config.checkpoint_dir or str(run / "checkpoints")
+  return CheckpointConfig(directory=directory, max_to_keep=config.checkpoints_kept)
 
 
 def _trainer_config(config: TrainConfig) -> TrainerConfig:

@@ -96,6 +96,12 @@ class TrainConfig:
   max_seconds: float | None = None
   # Checkpoint (and commit the consumed groups) every this many steps; 0 = never.
   checkpoint_every: int = 1
+  # Checkpoints kept (older ones deleted); each holds 12 bytes a parameter (fp32 master weights
+  # and Adam moments: `asearcher plan` states the GB and seconds of a recipe's).
+  checkpoints_kept: int = 2
+  # Where checkpoints go; None: <run_dir>/checkpoints. A gs:// URL goes to Orbax as it is (its
+  # tensorstore GCS driver writes every host's shards; no gcsfuse mount on the path).
+  checkpoint_dir: str | None = None
   # Fail if no batch of accepted groups arrives within this long.
   batch_timeout_s: float = 600.0
   # "answer": the ASearcher F1 reward; "smoke": the even-token fraction, for random policies that
@@ -131,6 +137,8 @@ class TrainConfig:
   mesh: MeshConfig | None = None
 
   def __post_init__(self):
+    if self.checkpoints_kept < 1:
+      raise ValueError(f"checkpoints_kept must be >= 1, got {self.checkpoints_kept}")
     if self.reward not in ("auto", "answer", "smoke"):
       raise ValueError(f"reward must be 'auto', 'answer' or 'smoke', got {self.reward!r}")
     if self.replay.directory is not None:

@@ -15,22 +15,29 @@ between two decode steps and re-prefills every in-flight slot, so running episod
 under the new policy (their tokens carry the new version from then on).
 
 Multi-process: `DirectoryWeightPublisher` writes each version into the versioned weight store
-(`serving.weights_dir`: a local directory or a gs:// URL, sharded Orbax arrays in bf16 by default,
-a commit marker, an atomic LATEST pointer), which every `serve-model` watches and reads straight
-into its own sharding. The store's format, pointer and watcher live on the serving side, so the
-engine never depends on the trainer.
+(`serving.weights_dir`: a local directory or a gs:// URL, one tensorstore array per parameter in
+bf16 by default, a commit marker, an atomic LATEST pointer), which every `serve-model` watches
+and reads straight into its own sharding. The store's format, pointer and watcher live on the
+serving side, so the engine never depends on the trainer.
 
-Writing a version takes seconds per GB (benchmarks/weight_sync.py), so by default the publisher
-does not make the trainer wait for it (`WeightSyncConfig.background`): `publish` takes the
-learner's device copy on the caller's thread (the train state is donated by the next step) and
-hands it to one writer thread. One write is in flight at a time; a version published while
-another still waits to start replaces it (the servers only ever want the newest; the superseded
-one is counted, never half-written). A failed write is raised at the next `publish`, `flush` or
-`close`; `flush` (end of a run, before servers are awaited) and `close` wait for the writes, at
-most `timeout_s`. A multi-process trainer writes on the trainer's thread, as before: Orbax's
-multi-host save synchronises the processes, and issued from a second thread it interleaves
-differently with the train step's collectives on each process (a 2-process run deadlocked in
-its first background write).
+Writing a version takes seconds per GB (benchmarks/weight_sync.py), so the publisher can let the
+trainer step on meanwhile (`WeightSyncConfig.background`): `publish` takes a snapshot on the
+caller's thread (the learner's device copy, the cast to the publish dtype and the start of the
+device->host copies of this process's own shards: XLA work every process must launch in the same
+order, and the train state is donated by the next step) and hands it to one writer thread. One
+write is in flight at a time; a version published while another still waits to start replaces it
+(the servers only ever want the newest; the superseded one is counted, never half-written). A
+failed write is raised at the next `publish`, `flush` or `close`; `flush` (end of a run, before
+servers are awaited) and `close` wait for the writes, at most `timeout_s`.
+
+Under jax.distributed the writer threads of all processes write the same versions: process 0
+picks the newest waiting one and announces it through the coordination service's key-value
+store. The write itself issues no XLA computation and no collective (the store's writer meets
+the other processes at coordination-service barriers, each with a timeout), so it cannot
+interleave with the train step's collectives. That interleaving is what deadlocked the earlier
+Orbax-based writer on a second thread: Orbax's multi-host barriers are `sync_global_devices`
+collectives, issued there in a different order than the step's on each process, and its
+process-global operation ids collided with the checkpointer's own saves.
 """
 
 from __future__ import annotations
@@ -101,10 +108,9 @@ class WeightSyncConfig:
   compress: zstd-compress the published arrays (~22 % fewer bytes, for a slow link to the
     store; ~1.7x the CPU time to write, benchmarks/weight_sync.py).
   background: the store's publisher writes on a thread of its own while the trainer steps on
-    (module docstring; never under jax.distributed, which always writes in the call). Off by
-    default: an Orbax save on the writer thread can collide with the trainer's own checkpoint
-    save (both wait on Orbax's step-directory signal; seen timing out after 300 s in CI on
-    2026-11-25); False: `publish` returns once the version is committed.
+    (module docstring), under jax.distributed too; False: `publish` returns once the version is
+    committed. Off by default, so a run's versions are committed in its step order unless a
+    recipe asks for the overlap.
   """
 
   timeout_s: float = 600.0

@@ -196,8 +196,8 @@ def test_local_backend_survives_a_killed_server_and_stops_clean(launched, tmp_pa
   metrics = (run / "train" / "metrics" / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3]
   # Every trainer process wrote its shards of the last version, and both servers loaded it.
-  last = run / "weights" / "v00000003" / "params"
-  assert (last / "ocdbt.process_0").is_dir() and (last / "ocdbt.process_1").is_dir()
+  parts = run / "weights" / "v00000003" / "parts"
+  assert sorted(p.name for p in parts.iterdir()) == ["process_0.json", "process_1.json"]
   for i in (0, 1):
     assert "loaded version 3 " in (run / "logs" / f"serve-{i}.log").read_text()
   log = (run / "supervisor.log").read_text()
