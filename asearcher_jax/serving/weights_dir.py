@@ -1,14 +1,20 @@
 """The versioned weight store: how a trainer hands each policy version to its servers.
 
 A root (local directory, or `gs://bucket/dir` on a pod: every path goes through `etils.epath`
-and every array through Orbax/tensorstore, the libraries the checkpoints already use) holds
+and every array through tensorstore, with its own GCS driver, no mount) holds
 
-  v<version>/params/     the parameters as an Orbax array checkpoint, cast to the publish dtype
-                         (bf16 by default) and written sharded: on a multi-host trainer every
+  v<version>/arrays/<name>/  one zarr3 array per parameter, cast to the publish dtype (bf16 by
+                         default), one chunk per trainer shard: on a multi-host trainer every
                          process writes the shards it holds, nothing is gathered to one host;
+  v<version>/parts/      one marker per trainer process, written once its chunks are;
   v<version>/config.json the model config (HF form; its dtype is the trainer's parameter dtype);
-  v<version>/COMMITTED   the commit marker, written after the arrays are complete;
+  v<version>/COMMITTED   the commit marker, written by process 0 once every part marker exists;
   LATEST                 the pointer ({"version", "path", "time"}), moved last.
+
+Writing is split so that it can run beside the train step on every process: `snapshot` (the
+trainer's thread: cast, start of the device->host copies) and `write_snapshot` (any thread: host
+bytes only, coordination-service barriers with timeouts, no XLA collective). Stores written
+before (an Orbax checkpoint under v<version>/params/) are still read.
 
 The pointer is replaced atomically (a rename on local disk; on GCS a small object write is atomic),
 so a reader sees the previous version or the new one, never a mix. A version without its marker
