@@ -208,6 +208,9 @@ class Workload:
   # old settings run one step per call.
   decode_steps: int = 8
   engine_cpus: tuple[int, ...] = ()  # "process": the cores the engine gets; the trainer the rest
+  # The engine thread's niceness (DriverConfig.thread_nice): > 0 gives the learner the cores
+  # first when both compute (both modes run the same driver).
+  engine_nice: int = 0
   # Batches per mode whose learner step is timed again alone afterwards (`learner_alone`);
   # 0: none.
   alone_steps: int = 5
@@ -309,6 +312,7 @@ def driver_config(w: Workload) -> DriverConfig:
     request_timeout_s=600.0,
     prefix_reuse=w.prefix_reuse,
     kv_on_update="recompute" if w.kv_on_update == "both" else w.kv_on_update,
+    thread_nice=w.engine_nice,
   )
 
 
@@ -700,6 +704,10 @@ def parse(argv: list[str] | None) -> Workload:
     "--decode-steps", type=int, default=d.decode_steps,
     help="the new engine settings' decode steps per generate call (the old ones: 1)",
   )  # fmt: skip
+  p.add_argument(
+    "--engine-nice", type=int, default=d.engine_nice,
+    help="the engine thread's niceness (0-19; DriverConfig.thread_nice)",
+  )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   p.add_argument(
     "--no-warmup", action="store_true",
@@ -732,7 +740,7 @@ def parse(argv: list[str] | None) -> Workload:
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
     prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update, engine=a.engine,
     engine_settings=a.engine_settings, decode_steps=a.decode_steps,
-    engine_cpus=parse_cpus(a.engine_cpus), warmup=not a.no_warmup,
+    engine_cpus=parse_cpus(a.engine_cpus), engine_nice=a.engine_nice, warmup=not a.no_warmup,
   )  # fmt: skip
 
 

@@ -38,6 +38,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -115,8 +116,11 @@ class DriverConfig:
   batch_reprefill: bool = True
   prefill_chunk: int = 0
   continue_in_decode: bool = True
+  thread_nice: int = 0
 
   def __post_init__(self):
+    if not 0 <= self.thread_nice <= 19:
+      raise ValueError(f"DriverConfig.thread_nice must be in [0, 19], got {self.thread_nice}")
     if self.kv_on_update not in KV_ON_UPDATE:
       raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {self.kv_on_update!r}")
 
@@ -305,6 +309,9 @@ class Driver:
 
   def _run(self) -> None:
     compile_clock.begin_thread()
+    if self.cfg.thread_nice and hasattr(os, "setpriority"):
+      # PRIO_PROCESS with a thread id sets that thread's niceness alone (Linux).
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.thread_nice)
     self._thread_began.set()
     while not self._stopping:
       try:
