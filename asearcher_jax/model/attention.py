@@ -25,9 +25,9 @@ _NEG_INF = -1e30
 # Segment id of the positions flash/splash pad a row with up to a whole block: no real token has
 # it (real ids are >= 0, padding 0), and a padded query still sees itself, so no row is empty.
 _PAD_SEGMENT = -1
-# The choice "auto" makes on each platform. CPU: dense trains faster at the quickstart's
-# 1-2k-token rows (docs/measurements.md, "Attention memory"); flash wins on memory only.
-_AUTO = {"tpu": "splash", "cpu": "dense"}
+# The choice "auto" makes on each platform, flash where unnamed. CPU: flash also trains faster
+# than dense at the quickstart's 1-2k-token rows (docs/measurements.md, "Attention memory").
+_AUTO = {"tpu": "splash"}
 
 
 def resolve_attention(choice: str, platform: str) -> str:
@@ -56,7 +56,7 @@ def packed_causal(
   """Causal, segment-separated GQA over packed rows. q [B,T,H,hd], k/v [B,T,K,hd] -> [B,T,H,hd]."""
   choice = resolve_attention(cfg.attention, jax.default_backend())
   if choice == "flash":
-    return flash_causal(q, k, v, segment_ids, cfg.attention_block)
+    return flash_causal(q, k, v, segment_ids, cfg.flash_block)
   if choice == "splash":
     return splash_causal(q, k, v, segment_ids, interpret=cfg.attention_interpret)
   return attend_causal(q, k, v, packed_mask(segment_ids), cfg.attention_block)
@@ -145,7 +145,7 @@ def flash_causal(
   so no [T, T] array (scores or mask) exists at any point.
   """
   if block <= 0:
-    raise ValueError(f"ModelConfig.attention_block must be positive for flash, got {block}")
+    raise ValueError(f"ModelConfig.flash_block must be positive, got {block}")
   t = q.shape[1]
   blk = min(block, t)
   q, k, v, seg = _pad_rows(q, k, v, segment_ids, blk)

@@ -46,13 +46,14 @@ class ModelConfig:
     remat: rematerialise each decoder block in the backward pass (trade FLOPs for memory).
     attention_block: query block size of causal attention on packed batches; blocks skip keys
       after their end. 0 (or a length not divisible by it) computes the full score matrix.
-      "flash" uses it as both its query and key block (and pads T up to a multiple of it).
     attention: kernel of packed training/scoring attention: "dense" (the reference; memory
       quadratic in T), "flash" (blockwise online softmax, custom VJP, any backend; linear),
-      "splash" (the Pallas TPU kernel), or "auto": splash on TPU, flash on GPU, dense on CPU
-      (faster at short rows), resolved by `jax.default_backend()` unless resolved beforehand
+      "splash" (the Pallas TPU kernel), or "auto": splash on TPU, flash elsewhere (on CPU it
+      also trains faster than dense at 1-2k-token rows: docs/measurements.md), resolved by `jax.default_backend()` unless resolved beforehand
       (`attention.resolve_attention(cfg.attention, "tpu")` for an AOT compile). The serving
       path (`Transformer.extend`) is unaffected.
+    flash_block: query and key block of "flash" (T is padded up to a multiple; a shorter row is
+      one block); 256 trains fastest on CPU at 1-2k-token rows (128 and 512 are slower).
     attention_interpret: run the splash kernel in Pallas interpret mode (CPU tests; slow).
   """
 
@@ -76,6 +77,7 @@ class ModelConfig:
   remat: bool = False
   attention_block: int = 128
   attention: str = "auto"
+  flash_block: int = 256
   attention_interpret: bool = False
 
   def __post_init__(self):
@@ -96,6 +98,8 @@ class ModelConfig:
       raise ValueError(
         f"ModelConfig.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
       )
+    if self.flash_block <= 0:
+      raise ValueError(f"ModelConfig.flash_block must be positive, got {self.flash_block}")
     if self.rope_scaling_factor < 1.0:
       raise ValueError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
 
