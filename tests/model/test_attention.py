@@ -231,3 +231,42 @@ def test_splash_under_a_mesh_runs_per_shard():
   assert max(grad_diffs) <= 1e-5, grad_diffs
   hlo = jax.jit(sharded).lower(q, k, v, seg).as_text()
   assert "shard_map" in hlo or "manual" in hlo.lower()
+
+
+_TPU_AOT = """
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
+from asearcher_jax.model import attention, sharding
+devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
+mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=devices)
+q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.bfloat16)
+seg = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
+def loss(q, k, v, s):
+  with sharding.activation_sharding(mesh):
+    return jnp.sum(attention.splash_causal(q, k, v, s).astype(jnp.float32))
+heads, rows = NamedSharding(mesh, P("fsdp", None, "tensor", None)), NamedSharding(mesh, P("fsdp"))
+grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(heads, heads, heads, rows))
+compiled = grad.lower(q, kv, kv, seg).compile()
+print("MOSAIC", "tpu_custom_call" in compiled.as_text())
+"""
+
+
+@pytest.mark.slow
+def test_splash_compiles_for_a_tpu_slice_under_shard_map():
+  """The real kernel (not interpret mode), forward and backward, compiled ahead of time for a
+  v5p 2x2x1 slice on this CPU host (libtpu's compiler), per shard over fsdp x tensor."""
+  import importlib.util
+  import os
+  import subprocess
+  import sys
+
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not installed")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+         "TPU_ACCELERATOR_TYPE": "v5p-8"}  # fmt: skip
+  out = subprocess.run(
+    [sys.executable, "-c", _TPU_AOT], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert "MOSAIC True" in out.stdout, out.stderr[-3000:]
