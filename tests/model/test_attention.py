@@ -203,7 +203,6 @@ def test_flash_memory_grows_linearly_dense_quadratically():
   assert f_big < d_big / 4
 
 
-@pytest.mark.slow
 def test_splash_interpret_matches_dense():
   """The Pallas kernel (interpret mode, fp32) with segments and GQA; T = 200 is padded to 256."""
   q, k, v, seg = _packed(1, 200, 4, 2, 32, seed=5)
@@ -213,7 +212,6 @@ def test_splash_interpret_matches_dense():
   assert max(grad_diffs) <= 1e-5, grad_diffs
 
 
-@pytest.mark.slow
 def test_splash_under_a_mesh_runs_per_shard():
   """Under activation sharding the kernel runs in shard_map over batch (data) and heads (tensor);
   it computes what the unsharded dense reference does."""
