@@ -16,6 +16,8 @@ from asearcher_jax.errors import UnsupportedModelError
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 DType = Literal["float32", "bfloat16"]
+# ModelConfig.attention: "auto" resolves per platform (model/attention.py, resolve_attention).
+ATTENTION_CHOICES = ("auto", "dense", "flash", "splash")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +46,15 @@ class ModelConfig:
     remat: rematerialise each decoder block in the backward pass (trade FLOPs for memory).
     attention_block: query block size of causal attention on packed batches; blocks skip keys
       after their end. 0 (or a length not divisible by it) computes the full score matrix.
+    attention: kernel of packed training/scoring attention: "dense" (the reference; memory
+      quadratic in T), "flash" (blockwise online softmax, custom VJP, any backend; linear),
+      "splash" (the Pallas TPU kernel), or "auto": splash on TPU, flash elsewhere (on CPU it
+      also trains faster than dense at 1-2k-token rows: docs/measurements.md), resolved by `jax.default_backend()` unless resolved beforehand
+      (`attention.resolve_attention(cfg.attention, "tpu")` for an AOT compile). The serving
+      path (`Transformer.extend`) is unaffected.
+    flash_block: query and key block of "flash" (T is padded up to a multiple; a shorter row is
+      one block); 256 trains fastest on CPU at 1-2k-token rows (128 and 512 are slower).
+    attention_interpret: run the splash kernel in Pallas interpret mode (CPU tests; slow).
   """
 
   model_type: str = "qwen2"
@@ -65,6 +76,9 @@ class ModelConfig:
   dtype: DType = "float32"
   remat: bool = False
   attention_block: int = 128
+  attention: str = "auto"
+  flash_block: int = 256
+  attention_interpret: bool = False
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -80,6 +94,12 @@ class ModelConfig:
       )
     if self.head_dim is None and self.hidden_size % self.num_heads:
       raise ValueError("hidden_size must be divisible by num_heads when head_dim is not given")
+    if self.attention not in ATTENTION_CHOICES:
+      raise ValueError(
+        f"ModelConfig.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
+      )
+    if self.flash_block <= 0:
+      raise ValueError(f"ModelConfig.flash_block must be positive, got {self.flash_block}")
     if self.rope_scaling_factor < 1.0:
       raise ValueError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
 

@@ -183,6 +183,18 @@ def activation_sharding(mesh: Mesh, rules: Mapping = DEFAULT_RULES) -> Iterator[
     _ACTIVATION_CONTEXT.reset(token)
 
 
+def activation_context() -> tuple[Mesh, Mapping] | None:
+  """The (mesh, rules) of the enclosing `activation_sharding`, or None: a kernel that runs per
+  shard (splash attention's `shard_map`) needs the mesh itself, not just constraints."""
+  return _ACTIVATION_CONTEXT.get()
+
+
+def axis_size(mesh: Mesh, axes: str | tuple[str, ...]) -> int:
+  """Devices along one mesh axis, or the product along several (a PartitionSpec entry)."""
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   ctx = _ACTIVATION_CONTEXT.get()
   if ctx is None:

@@ -38,9 +38,11 @@ def test_logits_match_transformers(tmp_path, model_type, kw):
   want = torch_logits(ref, IDS)
   assert ours.shape == want.shape
   np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
-  # Blocked causal attention (3 query blocks of 4) computes the same logits.
-  blocked, _ = hf_io.load(path, config_overrides={"attention_block": 4})
-  np.testing.assert_allclose(np.asarray(blocked(jnp.asarray(IDS))), want, atol=1e-4, rtol=0)
+  # Dense attention in 3 query blocks of 4, and flash in blocks of 4, compute the same logits.
+  for overrides in ({"attention": "dense", "attention_block": 4}, {"attention": "flash",
+                                                                   "flash_block": 4}):  # fmt: skip
+    blocked, _ = hf_io.load(path, config_overrides=overrides)
+    np.testing.assert_allclose(np.asarray(blocked(jnp.asarray(IDS))), want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])

@@ -145,9 +145,10 @@ def test_blocked_causal_attention_equals_full_matrix():
   tok = jnp.asarray(rng.integers(0, 101, (2, 16)))
   seg = jnp.asarray(np.r_[np.ones(6), 2 * np.ones(10)][None].repeat(2, 0), jnp.int32)
   pos = jnp.asarray(np.r_[np.arange(6), np.arange(10)][None].repeat(2, 0), jnp.int32)
-  full = _forward(_model(small_cfg(attention_block=0), seed=4), tok, pos, seg)
+  full = _forward(_model(small_cfg(attention="dense", attention_block=0), seed=4), tok, pos, seg)
   for block in (4, 8):  # 4 and 2 query blocks
-    blocked = _forward(_model(small_cfg(attention_block=block), seed=4), tok, pos, seg)
+    dense = small_cfg(attention="dense", attention_block=block)
+    blocked = _forward(_model(dense, seed=4), tok, pos, seg)
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), atol=1e-5)
 
 
