@@ -74,9 +74,10 @@ class Recipe:
   chip: str
 
 
-def recipe_from_gin() -> Recipe:
-  """The parsed recipe's model, PPO, optimizer, mesh and plan (gin must be parsed)."""
-  model = _bound(presets.model_config, None)
+def recipe_from_gin(model: ModelConfig | None = None) -> Recipe:
+  """The parsed recipe's model (unless given), PPO, optimizer, mesh and plan (gin must be
+  parsed)."""
+  model = model or _bound(presets.model_config, None)
   if model is None:
     raise ConfigValueError("the recipe binds no policy (presets.model_config)")
   config = _bound(TrainConfig, TrainConfig())
@@ -127,6 +128,7 @@ def report(
 
 def compile_recipe(
   *,
+  model: ModelConfig | None = None,
   topology: str | None = None,
   row_len: int | None = None,
   attention: str | None = None,
@@ -136,6 +138,7 @@ def compile_recipe(
   """Compiles the recipe's learner for a TPU slice; prints the report and one JSON line.
 
   Args:
+    model: The policy's architecture; None: the recipe's presets.model_config (its POLICY).
     topology: TPU slice (v4-8 .. v4-128, v5e-4 .. v5e-256, v5p-8 .. v5p-128, v6e-4 ..
       v6e-256); None: the recipe's trainer slice (planning.plan.chip, TrainerShape.chips).
     row_len: Tokens per packed row; None: the recipe's PPOConfig.row_len.
@@ -144,7 +147,7 @@ def compile_recipe(
     score: Also compile the proximal log-prob pass.
   """
   aot.require_libtpu()
-  r = report(recipe_from_gin(), topology=topology, row_len=row_len, attention=attention,
+  r = report(recipe_from_gin(model), topology=topology, row_len=row_len, attention=attention,
              rows_per_shard=rows_per_shard, score=score)  # fmt: skip
   print(f"{r['params_b']} B parameters on {r['topology']} ({r['topology_desc']}, {r['chips']} "
         f"chips, mesh {r['mesh']}), {r['rows']} rows x {r['row_len']} tokens "
