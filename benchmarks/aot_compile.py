@@ -5,22 +5,28 @@ micro-batches of the recipe's micro_rows per shard, two of them per step) is com
 time (rl/aot.py, `asearcher compile`) for the recipe's own trainer slice (its plan's chip and
 TrainerShape.chips) over the recipe's mesh (fsdp over every chip), from abstract shapes. Per
 recipe: XLA's per-chip memory (arguments + temporaries + outputs not aliased), the chip's HBM,
-whether it fits, FLOPs per chip, compile time; beside it the dense-attention path's figure (or
-its compile failure) and `asearcher plan`'s formula for the same rows (planner vs compiled).
+whether it fits, FLOPs per chip, compile time; beside it the dense path's figure (or its compile
+failure) and `asearcher plan`'s formula for the same rows (planner vs compiled). The dense path is
+compiled with the whole score matrix of a layer at once (`attention_block=0`): the same memory
+as query blocks whose scores the backward pass keeps, in one op instead of 256.
 
 Sequence length: 32,768 tokens a row for every recipe. The 7B and 14B recipes (and Search-R1's
 7B) bind ROW_LEN = 8192 today; they are compiled at 32,768 here, the length ASearcher's
 trajectories reach; QwQ-32B's recipe binds 32,768 itself.
 
 A program the TPU compiler refuses (RESOURCE_EXHAUSTED) is reported as not fitting, with the
-temporaries it named plus the arguments as a lower bound. Compiles take tens of seconds to
-minutes each on a shared host. The last line is one JSON object.
+temporaries it named plus the arguments as a lower bound. Each recipe compiles in a child process
+given COMPILE_TIMEOUT_S: today's layers are a Python loop and dense attention unrolls 256 query
+blocks per layer at 32k tokens, so a compile may not finish; that is reported as such (fits
+unknown), not waited for. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -42,7 +48,11 @@ RECIPES = (
   "asearcher_web_qwq_32b",
   "search_r1_qwen2_5_7b",
 )
+# A subset, comma-separated (a run split in parts on a busy host); unset: all of them.
+ONLY = [r for r in os.environ.get("AOT_RECIPES", "").split(",") if r]
 SEQ_LEN = 32768
+# Seconds each compile (a child process) may take; AOT_COMPILE_TIMEOUT_S sets it.
+COMPILE_TIMEOUT_S = float(os.environ.get("AOT_COMPILE_TIMEOUT_S", "300"))
 
 
 def _summary(r: dict) -> dict:
@@ -59,17 +69,25 @@ def _summary(r: dict) -> dict:
   }
 
 
-def run_recipe(name: str, seq_len: int = SEQ_LEN, *, topology: str | None = None) -> dict:
-  """The recipe's learner at `seq_len` on its trainer slice, in its model's attention and in
-  dense attention (one compile when they are the same)."""
-  try:
-    main.configure("compile", [f"gin/experiments/{name}.gin"], [])
-    recipe = compiling.recipe_from_gin()
-  finally:
-    gin.clear_config()
+VARIANTS = {
+  # the recipe's model as configured (its attention resolved for TPU)
+  "model": "the recipe's model",
+  # the dense reference in one block: the full [rows, heads, T, T] fp32 scores of a layer
+  # (attention_block=0), which compiles in seconds where today's 256 query blocks a layer do not
+  "dense": "dense, full score matrix (attention_block=0)",
+}
+
+
+def run_recipe(name: str, variant: str, seq_len: int = SEQ_LEN) -> dict:
+  """The recipe's learner at `seq_len` on its trainer slice, as `variant` (VARIANTS)."""
+  recipe = _recipe(name)
+  attention = None
+  if variant == "dense":
+    recipe = dataclasses.replace(recipe, model=recipe.model.replace(attention_block=0))
+    attention = "dense"
   t0 = time.perf_counter()
-  r = compiling.report(recipe, topology=topology, row_len=seq_len, score=False)
-  out = {
+  r = compiling.report(recipe, row_len=seq_len, attention=attention, score=False)
+  return {
     "topology": r["topology"],
     "chips": r["chips"],
     "seq_len": seq_len,
@@ -77,42 +95,69 @@ def run_recipe(name: str, seq_len: int = SEQ_LEN, *, topology: str | None = None
     "rows": r["rows"],
     "micro_batch_rows": r["micro_batch_rows"],
     "attention": r["attention"],
+    "variant": VARIANTS[variant],
     "chip_hbm_gib": r["hbm_gib_per_chip"],
     **_summary(r),
     "planner_gib_per_chip": r["planner_gib_per_chip"],
     "planner_live_blocks": r["planner_live_blocks"],
+    "wall_s": round(time.perf_counter() - t0, 1),
   }
-  if r["attention"] == "dense":
-    out["dense"] = {"same_as_above": True, **_summary(r)}
-  else:
-    try:
-      d = compiling.report(recipe, topology=topology, row_len=seq_len, attention="dense",
-                           score=False)  # fmt: skip
-      out["dense"] = _summary(d)
-    except Exception as e:  # the dense path's failure is a figure here, not an abort
-      out["dense"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-  out["wall_s"] = round(time.perf_counter() - t0, 1)
-  return out
+
+
+def _recipe(name: str) -> compiling.Recipe:
+  try:
+    main.configure("compile", [f"gin/experiments/{name}.gin"], [])
+    return compiling.recipe_from_gin()
+  finally:
+    gin.clear_config()
+
+
+def run_in_child(name: str, variant: str) -> dict:
+  """`run_recipe` in a child process bounded by COMPILE_TIMEOUT_S."""
+  t0 = time.perf_counter()
+  s = aot.tpu_slice(compiling.recipe_slice(_recipe(name)))
+  failed = {"topology": s.name, "chips": s.chips, "seq_len": SEQ_LEN, "chip_hbm_gib": s.hbm_gib,
+            "variant": VARIANTS[variant], "train_hbm_gib_per_chip": None, "train_fits": None}  # fmt: skip
+  try:
+    out = subprocess.run([sys.executable, __file__, "--recipe", name, variant],
+                         capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)  # fmt: skip
+  except subprocess.TimeoutExpired:
+    return {**failed, "error": f"compile did not finish within {COMPILE_TIMEOUT_S:.0f} s"}
+  lines = out.stdout.strip().splitlines()
+  if out.returncode or not lines:
+    tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return {**failed, "error": f"child failed: {tail[:300]}"}
+  r = json.loads(lines[-1])
+  r["child_wall_s"] = round(time.perf_counter() - t0, 1)
+  return r
+
+
+def _line(r: dict) -> str:
+  if "error" in r:
+    return r["error"]
+  bound = ">= " if r["total_is_lower_bound"] else ""
+  return (f"{bound}{r['train_hbm_gib_per_chip']} GiB/chip of {r['chip_hbm_gib']} "
+          f"fits={r['train_fits']} ({r['compile_s']} s)")  # fmt: skip
 
 
 def main_() -> None:
   os.chdir(os.path.join(os.path.dirname(__file__), ".."))
+  if sys.argv[1:2] == ["--recipe"]:  # the child of run_in_child
+    print(json.dumps(run_recipe(sys.argv[2], sys.argv[3])))
+    return
   aot.require_libtpu()
   results = {}
-  for name in RECIPES:
-    r = run_recipe(name)
+  for name in ONLY or RECIPES:
+    r = run_in_child(name, "model")
+    r["dense"] = run_in_child(name, "dense")
     results[name] = r
-    d = r["dense"]
-    bound = ">=" if r["total_is_lower_bound"] else ""
-    print(f"{name}: {r['topology']} ({r['chips']} chips), {r['seq_len']} tokens/row "
-          f"(recipe {r['recipe_row_len']}), attention {r['attention']}: train "
-          f"{bound}{r['train_hbm_gib_per_chip']} GiB/chip of {r['chip_hbm_gib']} "
-          f"fits={r['train_fits']} in {r['compile_s']} s; dense "
-          f"{d.get('train_hbm_gib_per_chip', d.get('error'))}; planner "
-          f"{r['planner_gib_per_chip']} GiB/chip", flush=True)  # fmt: skip
+    planner = r.get("planner_gib_per_chip", r["dense"].get("planner_gib_per_chip"))
+    print(f"{name}: {r['topology']} ({r['chips']} chips), {r['seq_len']} tokens/row: "
+          f"{_line(r)}; dense {_line(r['dense'])}; planner {planner} GiB/chip", flush=True)  # fmt: skip
   print(json.dumps({
     "benchmark": "aot_compile",
     "seq_len": SEQ_LEN,
+    "compile_timeout_s": COMPILE_TIMEOUT_S,
     "note": "7B/14B recipes bind ROW_LEN 8192; compiled at 32768 here",
     "recipes": results,
   }))  # fmt: skip

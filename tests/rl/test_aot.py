@@ -145,3 +145,24 @@ def test_asearcher_compile_reads_a_recipe_and_compiles_for_its_trainer_slice(cap
   assert r["train"]["fits"] and r["train"]["flops_per_chip"] > 0
   assert r["planner_gib_per_chip"] > 0 and r["planner_live_blocks"] == 1
   assert any(line.startswith("planner (asearcher plan)") for line in lines)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_plan_takes_the_trainer_memory_from_the_compile_when_asked(capsys):
+  """`asearcher plan RECIPE --gin_param=planning.plan.trainer_from_compile=True`: the trainer's
+  total per chip is the compiled one (the formula's kept beside it), and the plan says so."""
+  from asearcher_jax import main
+
+  argv = ["plan", "gin/experiments/asearcher_local_qwen2_5_7b.gin",
+          "--gin_file", "gin/overlays/recipe_tiny.gin",
+          "--gin_param", "plan_memory.TrainerShape.row_len = 128"]  # fmt: skip
+  main.main(argv)
+  formula = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  main.main([*argv, "--gin_param", "planning.plan.trainer_from_compile = True"])
+  compiled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert formula["trainer_memory_source"].startswith("formula")
+  assert compiled["trainer_memory_source"].startswith("compile (v5p-32, dense attention)")
+  t = compiled["trainer_gb_per_chip"]
+  assert t["formula_total"] == formula["trainer_gb_per_chip"]["total"]
+  assert t["total"] > 0 and t["total"] != t["formula_total"]
