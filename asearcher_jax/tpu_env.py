@@ -25,8 +25,14 @@ from collections.abc import MutableMapping
 LIBTPU_REQUIREMENT = "libtpu==0.0.42.1"
 INSTALL_HINT = f'pip install "{LIBTPU_REQUIREMENT}" (Linux x86-64; requirements.txt installs it)'
 
-# What the plugin would otherwise look up in the metadata server of a Cloud TPU VM.
-_QUIET = {"TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
+# What the plugin would otherwise look up in the metadata server of a Cloud TPU VM; and no
+# /tmp/libtpu_lockfile: it guards a TPU's chips against a second process, and with none attached
+# it only made a second compile (another test worker, another command) fail with ABORTED.
+_QUIET = {
+  "TPU_ACCELERATOR_TYPE": "v5p-8",
+  "TPU_WORKER_HOSTNAMES": "localhost",
+  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 
 
 def tpu_attached() -> bool:

@@ -50,6 +50,8 @@ RECIPES = (
 )
 # A subset, comma-separated (a run split in parts on a busy host); unset: all of them.
 ONLY = [r for r in os.environ.get("AOT_RECIPES", "").split(",") if r]
+# Which compiles (VARIANTS), comma-separated; unset: both.
+ONLY_VARIANTS = [v for v in os.environ.get("AOT_VARIANTS", "").split(",") if v]
 SEQ_LEN = 32768
 # Seconds each compile (a child process) may take; AOT_COMPILE_TIMEOUT_S sets it.
 COMPILE_TIMEOUT_S = float(os.environ.get("AOT_COMPILE_TIMEOUT_S", "300"))
@@ -112,12 +114,17 @@ def _recipe(name: str) -> compiling.Recipe:
     gin.clear_config()
 
 
+def _not_compiled(name: str, variant: str) -> dict:
+  """The fields of a compile that gave no figure (timed out, failed or skipped)."""
+  s = aot.tpu_slice(compiling.recipe_slice(_recipe(name)))
+  return {"topology": s.name, "chips": s.chips, "seq_len": SEQ_LEN, "chip_hbm_gib": s.hbm_gib,
+          "variant": VARIANTS[variant], "train_hbm_gib_per_chip": None, "train_fits": None}  # fmt: skip
+
+
 def run_in_child(name: str, variant: str) -> dict:
   """`run_recipe` in a child process bounded by COMPILE_TIMEOUT_S."""
   t0 = time.perf_counter()
-  s = aot.tpu_slice(compiling.recipe_slice(_recipe(name)))
-  failed = {"topology": s.name, "chips": s.chips, "seq_len": SEQ_LEN, "chip_hbm_gib": s.hbm_gib,
-            "variant": VARIANTS[variant], "train_hbm_gib_per_chip": None, "train_fits": None}  # fmt: skip
+  failed = _not_compiled(name, variant)
   try:
     out = subprocess.run([sys.executable, __file__, "--recipe", name, variant],
                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)  # fmt: skip
@@ -133,8 +140,13 @@ def run_in_child(name: str, variant: str) -> dict:
 
 
 def _line(r: dict) -> str:
-  if "error" in r:
+  if r.get("skipped"):
+    return "skipped (AOT_VARIANTS)"
+  if "error" in r and r.get("train_hbm_gib_per_chip") is None:
     return r["error"]
+  if "error" in r:  # the compiler refused it: what it named, and the arguments
+    return (f">= {r['train_hbm_gib_per_chip']} GiB/chip of {r['chip_hbm_gib']} fits=False "
+            f"({r['compile_s']} s; {r['error'].split(':')[0]})")  # fmt: skip
   bound = ">= " if r["total_is_lower_bound"] else ""
   return (f"{bound}{r['train_hbm_gib_per_chip']} GiB/chip of {r['chip_hbm_gib']} "
           f"fits={r['train_fits']} ({r['compile_s']} s)")  # fmt: skip
@@ -148,8 +160,14 @@ def main_() -> None:
   aot.require_libtpu()
   results = {}
   for name in ONLY or RECIPES:
-    r = run_in_child(name, "model")
-    r["dense"] = run_in_child(name, "dense")
+    variants = ONLY_VARIANTS or list(VARIANTS)
+    skipped = {"skipped": True}
+    r = (
+      run_in_child(name, "model")
+      if "model" in variants
+      else {**_not_compiled(name, "model"), **skipped}
+    )
+    r["dense"] = run_in_child(name, "dense") if "dense" in variants else skipped
     results[name] = r
     planner = r.get("planner_gib_per_chip", r["dense"].get("planner_gib_per_chip"))
     print(f"{name}: {r['topology']} ({r['chips']} chips), {r['seq_len']} tokens/row: "

@@ -92,7 +92,8 @@ def test_quiet_libtpu_sets_only_what_is_missing_and_nothing_with_a_tpu(monkeypat
   monkeypatch.setattr(tpu_env, "tpu_attached", lambda: False)
   env = {"TPU_WORKER_HOSTNAMES": "h0,h1"}
   assert tpu_env.quiet_libtpu(env)
-  assert env == {"TPU_WORKER_HOSTNAMES": "h0,h1", "TPU_ACCELERATOR_TYPE": "v5p-8"}
+  assert env == {"TPU_WORKER_HOSTNAMES": "h0,h1", "TPU_ACCELERATOR_TYPE": "v5p-8",
+                 "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # fmt: skip
   assert not tpu_env.quiet_libtpu(env := {"JAX_PLATFORMS": "cpu"}) and env == {
     "JAX_PLATFORMS": "cpu"
   }
