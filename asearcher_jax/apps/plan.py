@@ -117,8 +117,10 @@ def plan(
                schedule=schedule, tokens_per_episode=tokens_per_episode,
                compiled_trainer_bytes=compiled)  # fmt: skip
   p["trainer_memory_source"] = source or "formula (rl/plan_memory.py)"
-  print(f"model: {p['model_params_b']} B parameters; target chip {chip}; trainer memory from "
-        f"{p['trainer_memory_source']}")
+  print(
+    f"model: {p['model_params_b']} B parameters; target chip {chip}; trainer memory from "
+    f"{p['trainer_memory_source']}"
+  )
   for name, parts, shape in (("trainer", p["trainer_gb_per_chip"], trainer),
                              ("serving", p["serving_gb_per_chip"], serving)):  # fmt: skip
     fits = p[f"{name}_fits"]
