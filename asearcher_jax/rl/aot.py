@@ -280,12 +280,3 @@ def compile_for_slice(
   model = with_attention(model, attention, "tpu")
   report = compile_learner(model, devices=slice_devices(s), hbm_gib=s.hbm_gib, **kwargs)
   return {"topology": s.name, "topology_desc": s.topology, **report}
-
-
-def flops_total(report: Mapping[str, Any]) -> float:
-  """FLOPs of one optimizer step over the whole slice."""
-  return report["train"]["flops_per_chip"] * report["chips"]
-
-
-def gib(x: float) -> float:
-  return math.floor(x / GIB * 1000 + 0.5) / 1000
