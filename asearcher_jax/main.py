@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, str] = {
   "audit": "asearcher_jax.apps.audit:audit",
   "export": "asearcher_jax.apps.export:export",
   "plan": "asearcher_jax.apps.plan:plan",
+  "compile": "asearcher_jax.apps.compile:compile_recipe",
   "sweep": "asearcher_jax.apps.sweep:sweep",
 }
 
@@ -277,6 +278,21 @@ def _check_each_main() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  from asearcher_jax import tpu_env
+
+  # Before anything imports jax: libtpu (installed with the project) on a host without a TPU
+  # would print its metadata-server warnings at start-up (asearcher_jax/tpu_env.py).
+  tpu_env.quiet_libtpu()
+  command = list(argv)  # as typed, for invocation.recorded
+  overrides: dict = {}
+  if argv[:1] == ["compile"]:
+    # `asearcher compile RECIPE.gin --topology v5p-32 [--row_len N] [--attention A]`: JAX on
+    # the CPU (no TPU is needed to compile for one); the flags become compile_recipe's arguments.
+    tpu_env.for_ahead_of_time()
+    from asearcher_jax.apps import compile as compiling
+
+    rest, overrides = compiling.split_flags(argv[1:])
+    argv = ["compile", *rest]
   if argv == ["--check-each"]:
     return _check_each_main()
   if argv[:1] == ["inspect"] and argv[1:2] and not argv[1].startswith("-"):
@@ -339,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   from asearcher_jax.apps import invocation
 
   try:
-    with invocation.recorded(argv):  # what model cards and summaries print as their command
-      result = fn()
+    with invocation.recorded(command):  # what model cards and summaries print as their command
+      result = fn(**overrides)
   except AsearcherError as e:
     # One line: gin appends "In call to configurable ..." lines to exceptions it passes through.
     message = str(e).splitlines()[0] if str(e) else type(e).__name__

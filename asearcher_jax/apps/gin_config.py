@@ -307,7 +307,9 @@ def check(fn: Callable[..., Any], files: Sequence[str], params: Sequence[str],
       bound |= set(bindings)
   short = ".".join(target.split(".")[-2:])
   others = _functions_bound(config, fn)
-  if files and not bound and others:
+  # A subcommand that reads other subcommands' recipes (`asearcher compile RECIPE.gin`) marks
+  # itself `reads_recipes`: a file that binds only those is what it is given.
+  if files and not bound and others and not getattr(fn, "reads_recipes", False):
     raise ConfigError(
       f"{', '.join(files)}: nothing here binds {short}; it configures {', '.join(others)} "
       "(another subcommand's gin file?)"

@@ -42,11 +42,16 @@ def estimate(
   schedule: plan_sim.Schedule,
   tokens_per_episode: int,
   checkpoint: plan_checkpoint.CheckpointPlan = DEFAULT_CHECKPOINT,
+  compiled_trainer_bytes: float | None = None,
 ) -> dict:
-  """The plan as a dict (GB per chip by part, fits, step times, async vs sync)."""
+  """The plan as a dict (GB per chip by part, fits, step times, async vs sync).
+  compiled_trainer_bytes: the trainer's bytes per chip from a compile (`asearcher compile`),
+  replacing the formula's total (its parts are kept for reference)."""
   if chip not in mem.CHIPS:
     raise ConfigValueError(f"unknown chip {chip!r} (known: {', '.join(mem.CHIPS)})")
   t = mem.trainer_memory(model, trainer)
+  if compiled_trainer_bytes is not None:
+    t = {**t, "formula_total": t["total"], "total": compiled_trainer_bytes}
   s = mem.serving_memory(model, serving)
   tokens = schedule.batch_groups * schedule.group_size * tokens_per_episode
   w = dataclasses.replace(
@@ -89,6 +94,7 @@ def plan(
   schedule: plan_sim.Schedule = DEFAULT_SCHEDULE,
   tokens_per_episode: int = 4096,
   checkpoint: plan_checkpoint.CheckpointPlan = DEFAULT_CHECKPOINT,
+  trainer_from_compile: bool = False,
 ) -> int:
   """Prints the plan (table, then one JSON line); 1 when the target chip's HBM is too small.
 
@@ -101,11 +107,30 @@ def plan(
     schedule: B groups of n episodes, eta and the in-flight cap of the async run.
     tokens_per_episode: Trained tokens per episode (sets the train step's FLOPs).
     checkpoint: The recipe's checkpoint policy and write bandwidth (its GB, seconds, storage).
+    trainer_from_compile: Take the trainer's memory per chip from libtpu's compile of the
+      recipe's learner for the `chip` slice of `trainer.chips` chips at `trainer.row_len`
+      (`asearcher compile`; needs libtpu, tens of seconds for a real model) instead of the
+      formula; the output's trainer_memory_source says which.
   """
+  compiled = source = None
+  if trainer_from_compile:
+    from asearcher_jax.apps import compile as compiling
+    from asearcher_jax.rl import aot
+
+    name = aot.slice_for(chip, trainer.chips).name
+    r = compiling.report(compiling.recipe_from_gin(model), topology=name,
+                         row_len=trainer.row_len, score=False)  # fmt: skip
+    compiled, source = r["train"]["total_bytes"], f"compile ({name}, {r['attention']} attention)"
+    if r["train"].get("total_is_lower_bound"):
+      source += ": the compiler refused it, a lower bound"
   p = estimate(model=model, chip=chip, trainer=trainer, serving=serving, workload=workload,
                schedule=schedule, tokens_per_episode=tokens_per_episode,
-               checkpoint=checkpoint)  # fmt: skip
-  print(f"model: {p['model_params_b']} B parameters; target chip {chip}")
+               checkpoint=checkpoint, compiled_trainer_bytes=compiled)  # fmt: skip
+  p["trainer_memory_source"] = source or "formula (rl/plan_memory.py)"
+  print(
+    f"model: {p['model_params_b']} B parameters; target chip {chip}; trainer memory from "
+    f"{p['trainer_memory_source']}"
+  )
   for name, parts, shape in (("trainer", p["trainer_gb_per_chip"], trainer),
                              ("serving", p["serving_gb_per_chip"], serving)):  # fmt: skip
     fits = p[f"{name}_fits"]

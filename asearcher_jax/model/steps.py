@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asearcher_jax.model import sharding as sharding_lib
+from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.transformer import Transformer, score
 
 Batch = Mapping[str, jax.Array]  # tokens, positions, segment_ids [B, T] (+ loss_mask, ...)
@@ -102,21 +103,84 @@ class TrainState:
   opt_state: optax.OptState
 
 
-def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
-  """Optimizer state is created by a jitted init so it inherits the parameters' shardings;
-  scalars (step, Adam's count) are replicated over the parameters' mesh."""
-  opt_state = jax.jit(optimizer.init)(params)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+def train_state_shardings(
+  params: nnx.State, optimizer: optax.GradientTransformation
+) -> TrainState | None:
+  """Shardings of the train state over `params`' mesh (None when no parameter is on a mesh):
+  each parameter's own, Adam's moments those of their parameters (`optax.tree_map_params`),
+  scalars (step, Adam's count) replicated. A jitted `optimizer.init` alone leaves XLA free to
+  place the moments, and it replicated every one of them on every chip (measured over fsdp=4:
+  two fp32 copies of the whole model per chip). `params` may be arrays or ShapeDtypeStructs."""
   mesh_sharding = next(
     (x.sharding for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)), None
   )
   if mesh_sharding is None:
-    return state
+    return None
   replicated = NamedSharding(mesh_sharding.mesh, PartitionSpec())
-  return jax.tree.map(
-    lambda x: x if isinstance(x.sharding, NamedSharding) else sharding_lib.put(x, replicated),
-    state,
+  own = jax.tree.map(
+    lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params
   )
+  opt_state = optax.tree_map_params(
+    optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), own,
+    transform_non_params=lambda _: replicated,
+  )  # fmt: skip
+  return TrainState(step=replicated, params=own, opt_state=opt_state)
+
+
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+  """The step counter and optimizer state for `params`, placed per `train_state_shardings`."""
+  shardings = train_state_shardings(params, optimizer)
+  if shardings is None:
+    return TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params)
+    )
+  opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+  params = jax.tree.map(
+    lambda x, s: x if x.sharding == s else sharding_lib.put(x, s), params, shardings.params
+  )
+  step = sharding_lib.put(jnp.zeros((), jnp.int32), shardings.step)
+  return TrainState(step=step, params=params, opt_state=opt_state)
+
+
+def abstract_train_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+  """The train state `init_train_state` would build, as ShapeDtypeStructs with the same
+  shardings: what an ahead-of-time compile takes, with no memory allocated. `params` are
+  ShapeDtypeStructs (with shardings for a mesh, see `abstract_params`)."""
+  abstract = jax.eval_shape(
+    lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p)),
+    params,
+  )
+  shardings = train_state_shardings(params, optimizer)
+  if shardings is None:
+    return abstract
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+  )
+
+
+def abstract_params(
+  cfg: ModelConfig,
+  *,
+  mesh: Mesh | None = None,
+  rules: Mapping = sharding_lib.DEFAULT_RULES,
+  master_dtype: str | None = None,
+) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model's graphdef and its parameters as ShapeDtypeStructs (`jax.eval_shape` of the
+  init: no weights exist), floating ones in `master_dtype` (None: their own), each with the
+  sharding `sharding.param_shardings` gives it over `mesh`."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  dt = None if master_dtype is None else jnp.dtype(master_dtype)
+
+  def dtype(x):
+    return dt if dt is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+
+  if mesh is None:
+    return graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype(x)), params)
+  shardings = sharding_lib.param_shardings(params, mesh, rules)
+  return graphdef, jax.tree.map(
+    lambda s, var: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype(x), sharding=s), var),
+    shardings, params,
+  )  # fmt: skip
 
 
 def score_batch(

@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -75,10 +76,13 @@ class PPOConfig:
     CPU. Each length is one more compiled shape per row bucket. () = row_len only.
   row_buckets: allowed total row counts of a packed minibatch (multiples of the data shard
     count); None = a power of two rows per shard.
-  micro_rows: rows per forward/backward pass; a minibatch with more rows accumulates exact
-    gradients over micro-batches of this many (`steps.train_step`), bounding the step's memory
-    (XLA:CPU: ~630 MB of temporaries per 2,048-token row). Row counts above it must be
-    multiples of it (power-of-two buckets and micro_rows are). None = the whole minibatch.
+  micro_rows: rows per data shard (data x fsdp devices) per forward/backward pass, so a
+    micro-batch is micro_rows x shards rows; a minibatch with more rows accumulates exact
+    gradients over micro-batches (`steps.train_step`), bounding the step's memory (XLA:CPU:
+    ~630 MB of temporaries per 2,048-token row). 1 = one row per chip at a time over an fsdp
+    mesh (counted in total, one row would leave all but one chip without a row, or be split
+    over them). Rows per shard above it must be multiples of it (power-of-two buckets and
+    micro_rows are). None = the whole minibatch.
   """
 
   eps_clip: float = 0.2
@@ -126,10 +130,17 @@ class PPOConfig:
       raise ValueError(f"row_len must be >= 2, got {self.row_len}")
     if any(not 2 <= n < self.row_len for n in self.short_row_lens):
       raise ValueError(f"short_row_lens {self.short_row_lens} must be in [2, row_len)")
-    if self.micro_rows is not None:
-      bad = [r for r in self.row_buckets or () if r > self.micro_rows and r % self.micro_rows]
-      if self.micro_rows < 1 or bad:
-        raise ValueError(f"micro_rows={self.micro_rows} must be >= 1 and divide row buckets {bad}")
+    if self.micro_rows is not None and self.micro_rows < 1:
+      raise ValueError(f"micro_rows must be >= 1 or None, got {self.micro_rows}")
+    if (
+      self.micro_rows is not None
+      and self.row_buckets is None
+      and self.micro_rows & (self.micro_rows - 1)
+    ):
+      raise ValueError(
+        f"micro_rows={self.micro_rows} must be a power of two with row_buckets=None (a power of "
+        "two rows per shard)"
+      )
 
   @property
   def prox_in_step(self) -> bool:
@@ -141,6 +152,21 @@ class PPOConfig:
     return (
       self.fused_prox and self.recompute_prox and self.ppo_n_minibatches == self.ppo_epochs == 1
     )
+
+  def micro_batch_rows(self, num_shards: int) -> int | None:
+    """Rows of one micro-batch over `num_shards` data shards (`micro_rows` per shard); raises
+    when a row bucket does not split into such micro-batches (the bucket's rows per shard must
+    be a multiple of micro_rows, or at most micro_rows)."""
+    if self.micro_rows is None:
+      return None
+    rows = self.micro_rows * num_shards
+    bad = [r for r in self.row_buckets or () if r > rows and r % rows]
+    if bad:
+      raise ValueError(
+        f"micro_rows={self.micro_rows} per shard x {num_shards} shards = {rows} rows does not "
+        f"divide row_buckets {bad}"
+      )
+    return rows
 
   def row_len_for(self, longest: int) -> int:
     """The packed row length of a minibatch whose longest sequence has `longest` tokens."""
@@ -165,6 +191,32 @@ def ppo_objective(
     imp_weight_cap=cfg.imp_weight_cap,
     dual_clip=cfg.dual_clip,
   )
+
+
+def num_shards(mesh: Mesh | None) -> int:
+  """Data shards of the learner's rows: data x fsdp devices (1 without a mesh)."""
+  return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def compile_steps(
+  graphdef: nnx.GraphDef,
+  state: steps.TrainState,
+  *,
+  ppo: PPOConfig,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh | None = None,
+  rules: Mapping = sharding_lib.DEFAULT_RULES,
+) -> tuple[Callable, Callable]:
+  """The learner's jitted optimizer step (PPO objective, micro-batches of `ppo.micro_rows` per
+  shard) and its proximal log-prob pass, for a concrete or an abstract `state`
+  (`steps.abstract_train_state`): the Learner runs them, rl/aot.py compiles them for a slice
+  that is not there, so what is compiled ahead of time is what trains."""
+  train = steps.compile_train_step(
+    graphdef, optimizer, functools.partial(ppo_objective, ppo), state, mesh=mesh, rules=rules,
+    micro_rows=ppo.micro_batch_rows(num_shards(mesh)),
+  )  # fmt: skip
+  score = steps.compile_score_step(graphdef, state.params, mesh=mesh, rules=rules)
+  return train, score
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -212,17 +264,13 @@ class Learner:
       # only the shards its devices hold.
       params = sharding_lib.put(params, sharding_lib.param_shardings(params, mesh, rules))
     self.state = steps.init_train_state(params, self._optimizer)
-    self.num_shards = 1
+    self.num_shards = num_shards(mesh)
     self._batch_sharding = None
     if mesh is not None:
       self._batch_sharding = sharding_lib.batch_sharding(mesh, rules=rules)
-      self.num_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    loss_fn = functools.partial(ppo_objective, ppo)
-    self._train = steps.compile_train_step(
-      graphdef, self._optimizer, loss_fn, self.state, mesh=mesh, rules=rules,
-      micro_rows=ppo.micro_rows,
-    )  # fmt: skip
-    self._score = steps.compile_score_step(graphdef, params, mesh=mesh, rules=rules)
+    self._train, self._score = compile_steps(
+      graphdef, self.state, ppo=ppo, optimizer=self._optimizer, mesh=mesh, rules=rules
+    )
 
   # --- state ----------------------------------------------------------------------------------
 

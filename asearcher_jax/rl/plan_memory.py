@@ -8,7 +8,7 @@ Trainer, per chip (weights, moments and gradients FSDP-sharded over `chips`):
   grads       the gradients, in the master dtype (the optimizer's own temporaries reuse the
               activations' memory once the backward pass is done)
   activations per live decoder block of one micro-batch (`micro_rows` rows of `row_len` tokens
-              per chip): its dense intermediates (x, norms, q/k/v, attention output, the three
+              per data shard, a chip each at tensor = 1: PPOConfig.micro_rows counts so): its dense intermediates (x, norms, q/k/v, attention output, the three
               SwiGLU [tokens, I] buffers) and `score_copies` fp32 copies of the causal attention
               scores of every query block; with remat on an accelerator, the block inputs of
               every layer plus one live block
@@ -63,8 +63,8 @@ class TrainerShape:
 
   # Chips the trainer's FSDP mesh spans.
   chips: int = 1
-  # Tokens per packed row (PPOConfig.row_len) and rows per chip per forward/backward pass
-  # (PPOConfig.micro_rows over the data shards; the whole minibatch's share when None).
+  # Tokens per packed row (PPOConfig.row_len) and rows per data shard per forward/backward pass
+  # (PPOConfig.micro_rows, which counts per shard; the whole minibatch's share when it is None).
   row_len: int = 4096
   micro_rows: int = 1
   # Dtype of the master weights and Adam's moments (steps.PrecisionConfig.master_dtype).

@@ -116,6 +116,31 @@ def test_sharded_train_step_matches_single_device_and_donates():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4)
 
 
+def test_optimizer_moments_are_sharded_like_their_parameters_and_the_abstract_state_agrees():
+  """Adam's moments take their parameter's sharding (a jitted init alone replicated them on
+  every chip), scalars are replicated, and `abstract_train_state` over `abstract_params`
+  (what an ahead-of-time compile takes) has the concrete state's shapes, dtypes and shardings."""
+  cfg = small_cfg(param_dtype="bfloat16")
+  mesh = sharding_lib.make_mesh(fsdp=4, tensor=2)
+  opt = steps.make_optimizer(steps.OptimizerConfig())
+  graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+  params = steps.cast_floating(params, "float32")
+  params = jax.device_put(params, sharding_lib.param_shardings(params, mesh))
+  state = steps.init_train_state(params, opt)
+  adam = next(s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
+              if hasattr(s, "mu"))  # fmt: skip
+  for p, m, v in zip(*(jax.tree.leaves(t) for t in (state.params, adam.mu, adam.nu)), strict=True):
+    assert m.sharding == v.sharding == p.sharding
+  assert any(p.sharding.spec != PartitionSpec() for p in jax.tree.leaves(state.params))
+  assert state.step.sharding.spec == adam.count.sharding.spec == PartitionSpec()
+  abstract_graphdef, abstract = steps.abstract_params(cfg, mesh=mesh, master_dtype="float32")
+  abstract_state = steps.abstract_train_state(abstract, opt)
+  assert abstract_graphdef == graphdef
+  assert jax.tree.structure(abstract_state) == jax.tree.structure(state)
+  for a, c in zip(jax.tree.leaves(abstract_state), jax.tree.leaves(state), strict=True):
+    assert (a.shape, a.dtype, a.sharding) == (c.shape, c.dtype, c.sharding)
+
+
 def test_a_mesh_over_the_first_n_devices():
   """`MeshConfig.devices`: part of a host's devices (one of the 8 fake ones here); more than exist,
   or fewer than 1, is a clear error."""

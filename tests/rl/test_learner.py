@@ -5,6 +5,7 @@ recompilation, and the switches do what they claim."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -168,7 +169,7 @@ def test_micro_batches_give_the_whole_minibatch_update(model, sharded):
   whole = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=32), optimizer=opt)
   mesh = sharding_lib.make_mesh(data=1, fsdp=4, tensor=2) if sharded else None
   micro = Learner(
-    graphdef, _fresh(params), ppo=PPOConfig(row_len=32, micro_rows=4 if sharded else 1),
+    graphdef, _fresh(params), ppo=PPOConfig(row_len=32, micro_rows=1),  # 4 rows over fsdp=4
     optimizer=opt, mesh=mesh,
   )  # fmt: skip
   groups = _groups(model, n_groups=8, noise=0.3)  # 16 trajectories of 12 tokens: 8 rows of 32
@@ -185,8 +186,61 @@ def test_micro_batches_give_the_whole_minibatch_update(model, sharded):
     np.testing.assert_allclose(m2[k], m1[k], rtol=2e-4, atol=1e-6, err_msg=k)
   for a, b in zip(jax.tree.leaves(micro.params), jax.tree.leaves(whole.params), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-  with pytest.raises(ValueError, match="micro_rows"):
-    PPOConfig(micro_rows=3, row_buckets=(4, 8))
+
+
+def test_micro_rows_count_per_shard_and_must_split_the_buckets():
+  """micro_rows is per data shard: a micro-batch is micro_rows x shards rows, and a row bucket
+  that does not split into such micro-batches (nor fits in one) is refused before compiling."""
+  assert PPOConfig(micro_rows=2).micro_batch_rows(4) == 8
+  assert PPOConfig(micro_rows=None).micro_batch_rows(4) is None
+  assert PPOConfig(micro_rows=1, row_buckets=(2, 6)).micro_batch_rows(2) == 2
+  with pytest.raises(ValueError, match=r"micro_rows=1 per shard x 4 shards = 4 rows .* \[6\]"):
+    PPOConfig(micro_rows=1, row_buckets=(4, 6, 8)).micro_batch_rows(4)
+  with pytest.raises(ValueError, match="micro_rows=3"):
+    PPOConfig(micro_rows=3, row_buckets=(4, 8)).micro_batch_rows(1)
+  with pytest.raises(ValueError, match="micro_rows=3 must be a power of two"):
+    PPOConfig(micro_rows=3)
+  with pytest.raises(ValueError, match="micro_rows must be >= 1"):
+    PPOConfig(micro_rows=0)
+
+
+def _scan_lengths(jaxpr) -> list[int]:
+  """Lengths of every scan in a (closed) jaxpr, nested ones included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      out.append(eqn.params["length"])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out.extend(_scan_lengths(sub))
+  return out
+
+
+@pytest.mark.slow
+def test_one_row_per_shard_on_two_shards_runs_two_row_micro_batches(model):
+  """micro_rows=1 over a 2-shard mesh: the step scans micro-batches of 2 rows (one per shard),
+  and the update equals the one without micro-batches."""
+  _, graphdef, params = model
+  opt = steps.OptimizerConfig(learning_rate=1e-3)
+  mesh = sharding_lib.make_mesh(fsdp=2, devices=jax.devices()[:2])
+  learners = {
+    micro: Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=32, micro_rows=micro),
+                   optimizer=opt, mesh=mesh)
+    for micro in (1, None)
+  }  # fmt: skip
+  groups = _groups(model, n_groups=8, noise=0.3)  # 8 rows of 32 tokens
+  micro, whole = learners[1], learners[None]
+  mb = micro.prepare(groups)[0]
+  micro.to_device(mb)
+  batch = {**mb.device, "prox_logprobs": mb.device["logprobs"]}
+  assert batch["tokens"].shape[0] == 8
+  lengths = _scan_lengths(micro._train.trace(micro.state, batch).jaxpr.jaxpr)
+  assert 4 in lengths  # 8 rows / (1 row x 2 shards)
+  assert 4 not in _scan_lengths(whole._train.trace(whole.state, batch).jaxpr.jaxpr)
+  m1, m2 = whole.train_step(groups), micro.train_step(groups)
+  for k in ("ppo/loss", "ppo/grad_norm", "ppo/loss_tokens"):
+    np.testing.assert_allclose(m2[k], m1[k], rtol=2e-4, atol=1e-6, err_msg=k)
+  for a, b in zip(jax.tree.leaves(micro.params), jax.tree.leaves(whole.params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 @pytest.mark.slow
