@@ -355,6 +355,12 @@ def main() -> None:
     "vs_static_longtail": longtail["vs_static"]["median"],
     "new_vs_old_b32": b32["new_vs_old"]["median"],
     "new_vs_old_b32_logprobs": b32["new_vs_old_logprobs"]["median"],
+    # The engine's own default (EngineConfig.decode_steps_per_call) and whether it is the faster
+    # of the two settings at batch 32 here: the CPU default is one step per call because the
+    # multi-step call does not pay on a CPU (new_vs_old_b32 < 1).
+    "default_decode_steps": EngineConfig().decode_steps_per_call,
+    "default_is_faster_b32": (b32["new_vs_old"]["median"] >= 1.0)
+    == (EngineConfig().decode_steps_per_call == NEW),
     "update_ms": spread(update_ms),
     "batches": out,
     "longtail": longtail,
