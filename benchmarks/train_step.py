@@ -125,14 +125,14 @@ def bench_config(
   seq_len: int,
   iters: int,
   dtype: str = "float32",
-  remat_policy: str = "none",
+  remat_policy: str | None = None,
 ) -> dict:
   """The default path and the old one (OLD_PATH) on the same batch, timed interleaved (best of
-  `iters` each), so a shared machine's load hits both alike."""
-  cfg = presets.model_config(
-    name=name, param_dtype="float32", dtype=dtype, remat_policy=remat_policy
-  )
-  paths = {"new": cfg, "old": old_path(cfg)}
+  `iters` each), so a shared machine's load hits both alike. remat_policy: both paths' (None:
+  the config's default for the new path, no remat for the old one, as before remat policies)."""
+  overrides = {} if remat_policy is None else {"remat_policy": remat_policy}
+  cfg = presets.model_config(name=name, param_dtype="float32", dtype=dtype, **overrides)
+  paths = {"new": cfg, "old": old_path(cfg).replace(remat_policy=remat_policy or "none")}
   setups = {k: _train_setup(c, rows, seq_len) for k, c in paths.items()}
   holders = {k: {"state": s[2]} for k, s in setups.items()}
 
@@ -159,7 +159,8 @@ def bench_config(
   out = {
     "params_m": round(cfg.num_params() / 1e6, 2),
     "dtype": dtype,
-    "remat_policy": remat_policy,
+    "remat_policy": cfg.remat_policy,
+    "old_remat_policy": paths["old"].remat_policy,
     "scan_layers": cfg.scan_layers,
     "logits_chunk": cfg.logits_chunk,
     "peak_memory_gb": None if peak_bytes is None else round(peak_bytes / 1e9, 3),

@@ -107,8 +107,8 @@ def test_entropy_is_the_sampling_distributions_and_aligned_like_logprobs():
 def test_every_remat_policy_gives_the_same_gradients(scan):
   base = small_cfg(num_layers=2, scan_layers=scan, logits_chunk=0)
   batch = _batch(base, seed=3)
-  want = _stats_and_grads(base, batch)[3]
-  for policy in REMAT_POLICIES[1:]:
+  want = _stats_and_grads(base.replace(remat_policy="none"), batch)[3]
+  for policy in [p for p in REMAT_POLICIES if p != "none"]:
     _assert_trees_close(
       _stats_and_grads(base.replace(remat_policy=policy), batch)[3], want, atol=1e-6, rtol=1e-5
     )
