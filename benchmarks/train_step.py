@@ -13,11 +13,20 @@ and matmul inputs. On an accelerator the default configs add the real Qwen2.5-0.
 (`--configs qwen2.5-0.5b`: ~8 GB of host memory). It also measures the cost of a checkpoint
 after every step (params + Adam state through Orbax), async as the trainer writes them and
 blocking, side by side. The last line is one JSON object.
+
+Each config runs the default model path (layers under a scan, log-probs over chunks of
+`logits_chunk` positions) and the old one (`OLD_PATH`: a Python loop over layers, whole
+[rows, T, V] logits, dense attention) side by side, timed interleaved in the same process:
+`new_vs_old_tokens_per_s` is their ratio. `compile` reports the train step's compile time of a
+2-layer and a 28-layer tiny model under the scan (and the loop), since depth should cost the scan
+nothing (the AdamW update, one fusion chain per parameter leaf, still grows with depth: reported
+beside it as `train_step_compile_*`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +40,15 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from asearcher_jax.model import presets, steps, transformer
+from asearcher_jax.model.config import ModelConfig
+
+# The model path before layer scan and chunked log-probs; `attention` where the field exists.
+OLD_PATH = {"scan_layers": False, "logits_chunk": 0, "attention": "dense"}
+
+
+def old_path(cfg: ModelConfig) -> ModelConfig:
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  return cfg.replace(**{k: v for k, v in OLD_PATH.items() if k in fields})
 
 
 def _time(fn, *, warmup: int, iters: int) -> float:
@@ -59,7 +77,7 @@ CHIP_PEAK_TFLOPS = {
 CONFIGS = {
   "qwen2-tiny": dict(rows=4, seq_len=256),
   "bench-30m": dict(rows=8, seq_len=512),
-  "qwen2.5-0.5b": dict(rows=4, seq_len=2048, remat=True),
+  "qwen2.5-0.5b": dict(rows=4, seq_len=2048, remat_policy="full"),
 }
 
 
@@ -85,10 +103,8 @@ def peak_memory_bytes(compiled) -> tuple[int | None, str]:
   return int(total - m.alias_size_in_bytes), "compiled_analysis"
 
 
-def bench_config(
-  name: str, rows: int, seq_len: int, iters: int, dtype: str = "float32", remat: bool = False
-) -> dict:
-  cfg = presets.model_config(name=name, param_dtype="float32", dtype=dtype, remat=remat)
+def _train_setup(cfg: ModelConfig, rows: int, seq_len: int):
+  """(jitted step, compiled step, initial state, batch) of an AdamW nll train step under cfg."""
   graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
   opt = steps.make_optimizer(steps.OptimizerConfig(learning_rate=1e-4))
   state = steps.init_train_state(params, opt)
@@ -101,31 +117,108 @@ def bench_config(
     "loss_mask": jnp.ones((rows, seq_len), jnp.float32),
   }
   step = steps.compile_train_step(graphdef, opt, steps.nll_loss, state)
-  compiled = step.lower(state, batch).compile()
-  holder = {"state": state}
+  return step, step.lower(state, batch).compile(), state, batch
 
-  def run_one():
-    holder["state"], m = step(holder["state"], batch)
+
+def bench_config(
+  name: str,
+  rows: int,
+  seq_len: int,
+  iters: int,
+  dtype: str = "float32",
+  remat_policy: str | None = None,
+) -> dict:
+  """The default path and the old one (OLD_PATH) on the same batch, timed interleaved (best of
+  `iters` each), so a shared machine's load hits both alike. remat_policy: both paths' (None:
+  the config's default for the new path, no remat for the old one, as before remat policies)."""
+  overrides = {} if remat_policy is None else {"remat_policy": remat_policy}
+  cfg = presets.model_config(name=name, param_dtype="float32", dtype=dtype, **overrides)
+  paths = {"new": cfg, "old": old_path(cfg).replace(remat_policy=remat_policy or "none")}
+  setups = {k: _train_setup(c, rows, seq_len) for k, c in paths.items()}
+  holders = {k: {"state": s[2]} for k, s in setups.items()}
+
+  def run_one(k):
+    step, _, _, batch = setups[k]
+    holders[k]["state"], m = step(holders[k]["state"], batch)
     m["loss"].block_until_ready()
 
-  secs = _time(run_one, warmup=2, iters=iters)
+  secs = {k: float("inf") for k in setups}
+  for k in setups:
+    for _ in range(2):  # warmup
+      run_one(k)
+  for _ in range(iters):
+    for k in setups:
+      t = time.perf_counter()
+      run_one(k)
+      secs[k] = min(secs[k], time.perf_counter() - t)
   tokens = rows * seq_len
   # Useful FLOPs only: causal attention counts half the score matrix (the masked half is not
   # work, whatever the kernel does with it); backward = 2x forward.
   flops = 3 * tokens * cfg.matmul_flops_per_token(seq_len)
-  peak_bytes, how = peak_memory_bytes(compiled)
+  peak_bytes, how = peak_memory_bytes(setups["new"][1])
+  old_peak, _ = peak_memory_bytes(setups["old"][1])
   out = {
     "params_m": round(cfg.num_params() / 1e6, 2),
     "dtype": dtype,
-    "remat": remat,
+    "remat_policy": cfg.remat_policy,
+    "old_remat_policy": paths["old"].remat_policy,
+    "scan_layers": cfg.scan_layers,
+    "logits_chunk": cfg.logits_chunk,
     "peak_memory_gb": None if peak_bytes is None else round(peak_bytes / 1e9, 3),
+    "old_peak_memory_gb": None if old_peak is None else round(old_peak / 1e9, 3),
     "peak_memory_from": how,
     "rows": rows,
     "seq_len": seq_len,
-    "step_s": round(secs, 4),
-    "tokens_per_s": round(tokens / secs, 1),
+    "step_s": round(secs["new"], 4),
+    "old_step_s": round(secs["old"], 4),
+    "tokens_per_s": round(tokens / secs["new"], 1),
+    "old_tokens_per_s": round(tokens / secs["old"], 1),
+    "new_vs_old_tokens_per_s": round(secs["old"] / secs["new"], 3),
     "flops": flops,
   }
+  return out
+
+
+def bench_compile(layers: tuple[int, ...] = (2, 28), loop: bool = True) -> dict:
+  """Compile seconds of a tiny model (hidden 64, 1k vocabulary, 1 x 256 tokens) at each depth:
+  `compile_s_*` the loss and its gradient under the scan (what layer depth costs the model),
+  `loop_compile_s_*` the same under the Python loop (loop=True), `train_step_compile_s_*` the
+  whole AdamW step under the scan. The optimizer update is one fusion chain per parameter leaf,
+  12 a layer in the list-of-layers tree, so the step's compile still grows with depth. The
+  persistent compilation cache is off so every figure is a real compile."""
+  jax.config.update("jax_enable_compilation_cache", False)
+  base = presets.model_config(name="qwen2-tiny", vocab_size=1024)
+  batch = {
+    "tokens": jnp.zeros((1, 256), jnp.int32),
+    "positions": jnp.arange(256, dtype=jnp.int32)[None],
+    "segment_ids": jnp.ones((1, 256), jnp.int32),
+    "loss_mask": jnp.ones((1, 256), jnp.float32),
+  }
+
+  def lowered(n: int, kind: str, scan: bool):
+    cfg = base.replace(num_layers=n, scan_layers=scan)
+    graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+    if kind == "":
+      grad = jax.grad(lambda p, b: steps.nll_loss(graphdef, p, b)[0])
+      return jax.jit(grad).lower(params, batch)
+    opt = steps.make_optimizer(steps.OptimizerConfig(learning_rate=1e-4))
+    state = steps.init_train_state(params, opt)
+    return steps.compile_train_step(graphdef, opt, steps.nll_loss, state).lower(state, batch)
+
+  runs = [("", True), ("loop_", False), ("train_step_", True)]
+  out: dict = {}
+  for kind, scan in runs if loop else [r for r in runs if r[1]]:
+    for n in layers:
+      program = lowered(n, kind, scan)
+      t = time.perf_counter()
+      program.compile()
+      out[f"{kind}compile_s_{n}_layers"] = round(time.perf_counter() - t, 2)
+  lo, hi = min(layers), max(layers)
+  for kind, _ in runs:
+    if f"{kind}compile_s_{hi}_layers" in out:
+      out[f"{kind}compile_ratio_{hi}_over_{lo}"] = round(
+        out[f"{kind}compile_s_{hi}_layers"] / out[f"{kind}compile_s_{lo}_layers"], 2
+      )
   return out
 
 
@@ -190,6 +283,10 @@ def main() -> None:
     "--checkpoint-config", default=None,
     help="config of the checkpoint-every-step run (default: qwen2-tiny on CPU, bench-30m else)",
   )  # fmt: skip
+  parser.add_argument(
+    "--no-loop-compile", action="store_true",
+    help="skip the Python loop's compile times (the 28-layer loop compiles slowly)",
+  )  # fmt: skip
   args = parser.parse_args()
   device = jax.devices()[0]
   on_cpu = device.platform == "cpu"
@@ -220,6 +317,12 @@ def main() -> None:
       r["mfu"] = round(r["tflops"] / (chip * jax.device_count()), 4)
     results[name] = r
     print(f"{name:>12}: {r}", flush=True)
+  # The worst config's ratio: the default path must not be slower than the old one anywhere.
+  results["new_vs_old_tokens_per_s"] = min(r["new_vs_old_tokens_per_s"] for r in runs.values())
+  comp = bench_compile(loop=not args.no_loop_compile)
+  print(f"compile: {comp}", flush=True)
+  results["compile"] = comp
+  results.update(comp)
   ck_name = args.checkpoint_config or ("qwen2-tiny" if on_cpu else "bench-30m")
   spec = CONFIGS[ck_name]
   ck = bench_checkpoint_overhead(ck_name, spec["rows"], spec["seq_len"])

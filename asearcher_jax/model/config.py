@@ -15,6 +15,11 @@ from asearcher_jax.errors import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear")
+# What the backward pass keeps of each decoder block (transformer.REMAT_POLICIES maps the names
+# onto jax.checkpoint_policies): "none" keeps everything (no remat), "full" only the block's input,
+# "dots" the outputs of the weight matmuls (MaxText's "minimal"), "dots_saveable" every matmul
+# output, attention scores included.
+REMAT_POLICIES = ("none", "full", "dots", "dots_saveable")
 DType = Literal["float32", "bfloat16"]
 # ModelConfig.attention: "auto" resolves per platform (model/attention.py, resolve_attention).
 ATTENTION_CHOICES = ("auto", "dense", "flash", "splash")
@@ -43,7 +48,16 @@ class ModelConfig:
       KV cache size is chosen by the engine).
     param_dtype: dtype the parameters are stored and updated in.
     dtype: dtype of activations and matmul inputs; softmax and norms always run in float32.
-    remat: rematerialise each decoder block in the backward pass (trade FLOPs for memory).
+    remat_policy: what the backward pass keeps of each decoder block, one of REMAT_POLICIES
+      ("none": no rematerialisation; "full": recompute the whole block, the least memory). The
+      default keeps every matmul output and recomputes the elementwise ops: under the scan each
+      kept buffer is stacked over layers, and stacking all of them ("none") cost ~12 % of the
+      step on XLA:CPU (docs/design_notes.md).
+    scan_layers: run the training/scoring path's blocks under one `jax.lax.scan` (compile time
+      independent of depth); False unrolls a Python loop (the reference). Serving always loops.
+    logits_chunk: tokens per row whose [rows, chunk, vocab] fp32 logits are live at once in
+      `transformer.score` (and so in every loss built on it); each chunk is recomputed in the
+      backward pass. 0, or a row no longer than it, computes the whole [rows, T, vocab] at once.
     attention_block: query block size of causal attention on packed batches; blocks skip keys
       after their end. 0 (or a length not divisible by it) computes the full score matrix.
     attention: kernel of packed training/scoring attention: "dense" (the reference; memory
@@ -74,7 +88,9 @@ class ModelConfig:
   max_position_embeddings: int = 32768
   param_dtype: DType = "float32"
   dtype: DType = "float32"
-  remat: bool = False
+  remat_policy: str = "dots_saveable"
+  scan_layers: bool = True
+  logits_chunk: int = 1024
   attention_block: int = 128
   attention: str = "auto"
   flash_block: int = 256
@@ -102,6 +118,12 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.flash_block must be positive, got {self.flash_block}")
     if self.rope_scaling_factor < 1.0:
       raise ValueError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(
+        f"ModelConfig.remat_policy {self.remat_policy!r} is not one of {', '.join(REMAT_POLICIES)}"
+      )
+    if self.logits_chunk < 0:
+      raise ValueError(f"ModelConfig.logits_chunk must be >= 0, got {self.logits_chunk}")
 
   @property
   def resolved_head_dim(self) -> int:

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.transformer import Transformer, score
+from asearcher_jax.model.transformer import Transformer, score, score_and_entropy
 
 Batch = Mapping[str, jax.Array]  # tokens, positions, segment_ids [B, T] (+ loss_mask, ...)
 
@@ -189,6 +189,17 @@ def score_batch(
   """Per-token logprobs [B, T] of a packed batch (see transformer.score for alignment)."""
   model: Transformer = nnx.merge(graphdef, params)
   return score(model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature)
+
+
+def score_batch_and_entropy(
+  graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+  """Per-token logprobs and sampling-distribution entropies [B, T] from one forward pass (see
+  transformer.score_and_entropy); the entropy carries no gradient."""
+  model: Transformer = nnx.merge(graphdef, params)
+  return score_and_entropy(
+    model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature
+  )
 
 
 def nll_loss(

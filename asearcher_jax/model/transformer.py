@@ -11,6 +11,8 @@ head grouping) so that checkpoints load with matching logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -190,8 +192,52 @@ class DecoderLayer(nnx.Module):
     return x, k_buf, v_buf
 
 
-def _layer_forward(layer: DecoderLayer, x, rope, segment_ids):
-  return layer(x, rope, segment_ids)
+# ModelConfig.remat_policy -> what jax.checkpoint saves of a decoder block (None: no remat).
+REMAT_POLICIES: dict[str, Callable | None] = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def _block_fn(graphdef: nnx.GraphDef, cfg: ModelConfig, rope: RopeTables, segment_ids: jax.Array):
+  """(layer state, x) -> x: one decoder block as a pure function, under the remat policy."""
+
+  def block(state: nnx.State, x: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(x, rope, segment_ids)
+
+  policy = REMAT_POLICIES[cfg.remat_policy]
+  if policy is None:
+    return block
+  # prevent_cse=False: a scan body cannot be CSE'd across iterations anyway (jax.checkpoint docs).
+  return jax.checkpoint(block, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+def stack_layers(layers: Sequence[nnx.Module], cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """One graphdef and the layers' states stacked on a new leading axis, for `jax.lax.scan`.
+
+  The stack is built inside the traced step (the parameter tree stays a list of layers, as
+  hf_io, checkpoints and the engine expect); gradients flow back through it to each layer.
+  Leaves are cast to the compute dtype first where that narrows them (fp32 masters, bf16
+  matmuls): every use casts to it anyway, so the copy costs one layer stack in compute dtype.
+  Each stacked leaf keeps its per-layer sharding, the layer axis replicated.
+  """
+  graphdef, first = nnx.split(layers[0])
+  states = [first, *(nnx.split(layer)[1] for layer in layers[1:])]
+  dt = jnp.dtype(cfg.dtype)
+
+  def stack(*variables: nnx.Variable) -> nnx.Variable:
+    values = [v.get_value() for v in variables]
+    if jnp.issubdtype(values[0].dtype, jnp.floating) and dt.itemsize < values[0].dtype.itemsize:
+      values = [x.astype(dt) for x in values]
+    axes = variables[0].get_metadata().get("logical_axes")
+    stacked = jnp.stack(values)
+    if axes is not None:
+      stacked = sharding_lib.constrain(stacked, (None, *axes))
+    return variables[0].replace(stacked)
+
+  return graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 class Transformer(nnx.Module):
@@ -241,11 +287,14 @@ class Transformer(nnx.Module):
     """Runs the blocks over a packed batch; returns the last hidden state [B, T, D]."""
     x = self.embed(tokens)
     rope = self.rope(positions)
-    for layer in self.layers:
-      if self.cfg.remat:
-        x = nnx.remat(_layer_forward)(layer, x, rope, segment_ids)
-      else:
-        x = layer(x, rope, segment_ids)
+    if not self.cfg.scan_layers:  # the reference: one traced copy of the block per layer
+      for layer in self.layers:
+        graphdef, state = nnx.split(layer)
+        x = _block_fn(graphdef, self.cfg, rope, segment_ids)(state, x)
+      return x
+    graphdef, stacked = stack_layers(self.layers, self.cfg)
+    block = _block_fn(graphdef, self.cfg, rope, segment_ids)
+    x, _ = jax.lax.scan(lambda h, state: (block(state, h), None), x, stacked)
     return x
 
   def __call__(
@@ -313,6 +362,77 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature=1.0) -> jax
   return ((picked - m) / temperature)[..., 0] - lse
 
 
+def token_entropy(logits: jax.Array, temperature=1.0) -> jax.Array:
+  """Entropy of softmax(logits / temperature) over the last axis (nats); logits [..., V].
+
+  H = log Z - E_p[z] with z = (logits - max) / temperature, written with the same exp as
+  `token_logprobs` so XLA computes it once when both are asked for."""
+  logits = logits.astype(jnp.float32)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  z = (logits - m) / temperature
+  e = jnp.exp(z)
+  s = jnp.sum(e, axis=-1)
+  return jnp.log(s) - jnp.sum(e * z, axis=-1) / s
+
+
+def _next_token_stats(
+  model: Transformer, hidden: jax.Array, targets: jax.Array, temperature, entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
+  """Logprob of targets [B, T] (and the entropy) under the logits of hidden [B, T, D], computed
+  `cfg.logits_chunk` positions of every row at a time so that no [B, T, V] array is live.
+
+  Each chunk runs under jax.checkpoint (nothing saved): the backward recomputes its logits, one
+  more lm-head matmul per token, rather than keep all T of them. The chunk runs over positions,
+  not flattened tokens, so rows stay on their data shards."""
+
+  def stats(h, tgt):
+    logits = model.logits(h)
+    lp = token_logprobs(logits, tgt, temperature)
+    return lp, (jax.lax.stop_gradient(token_entropy(logits, temperature)) if entropy else None)
+
+  b, t, d = hidden.shape
+  chunk = model.cfg.logits_chunk
+  if chunk <= 0 or t <= chunk:
+    return stats(hidden, targets)
+  n = -(-t // chunk)
+  pad = n * chunk - t  # zero hidden states score finite logits; their outputs are cut off below
+  hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+  targets = jnp.pad(targets, ((0, 0), (0, pad)))
+  xs = (
+    hidden.reshape(b, n, chunk, d).swapaxes(0, 1),
+    targets.reshape(b, n, chunk).swapaxes(0, 1),
+  )
+  chunk_stats = jax.checkpoint(stats, prevent_cse=False)
+  _, out = jax.lax.scan(lambda carry, x: (carry, chunk_stats(*x)), None, xs)
+  return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], out)
+
+
+def score_and_entropy(
+  model: Transformer,
+  tokens: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array,
+  temperature: float = 1.0,
+  *,
+  entropy: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Per-token logprobs of a packed batch and the entropy of the sampling distribution
+  (softmax(logits / temperature)) each was drawn from, both aligned as in `score` (0 where
+  nothing predicts the token); one forward pass. entropy=False returns None for it."""
+  hidden = model.hidden_states(tokens, positions, segment_ids)
+  # Position t predicts token t + 1; the last position predicts nothing (its target is a dummy
+  # and its outputs are dropped), so chunks run over all T positions.
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+  lp, ent = _next_token_stats(model, hidden, targets, temperature, entropy)
+  same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+
+  def align(x: jax.Array) -> jax.Array:
+    x = jnp.where(same, x[:, :-1], 0.0)
+    return jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
+
+  return align(lp), (None if ent is None else align(ent))
+
+
 def score(
   model: Transformer,
   tokens: jax.Array,
@@ -323,10 +443,7 @@ def score(
   """Per-token logprobs of a packed batch, aligned with the token being predicted.
 
   out[b, t] = log p(tokens[b, t] | earlier tokens of the same segment), and 0 at the first token
-  of every segment (and on padding, segment id 0), where nothing predicts it.
+  of every segment (and on padding, segment id 0), where nothing predicts it. Logits are
+  computed `cfg.logits_chunk` positions at a time (see `_next_token_stats`).
   """
-  logits = model(tokens, positions, segment_ids)
-  lp = token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
-  same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
-  lp = jnp.where(same, lp, 0.0)
-  return jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp], axis=1)
+  return score_and_entropy(model, tokens, positions, segment_ids, temperature, entropy=False)[0]

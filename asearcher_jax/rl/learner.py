@@ -176,10 +176,12 @@ class PPOConfig:
 def ppo_objective(
   cfg: PPOConfig, graphdef: nnx.GraphDef, params: nnx.State, batch: steps.Batch
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """steps.LossFn for PPO: current logprobs at the sampler's temperature, then `ppo_loss`."""
-  logp = steps.score_batch(graphdef, params, batch, cfg.temperature)
+  """steps.LossFn for PPO: current logprobs at the sampler's temperature, then `ppo_loss`;
+  metrics add `entropy`, the mean over loss tokens of the sampling distribution's entropy (from
+  the same forward: a policy collapsing onto few tokens shows here before in the reward)."""
+  logp, entropy = steps.score_batch_and_entropy(graphdef, params, batch, cfg.temperature)
   prox = jax.lax.stop_gradient(logp) if cfg.prox_in_step else batch["prox_logprobs"]
-  return losses.ppo_loss(
+  loss, stats = losses.ppo_loss(
     logp,
     prox,
     batch["logprobs"],
@@ -191,6 +193,9 @@ def ppo_objective(
     imp_weight_cap=cfg.imp_weight_cap,
     dual_clip=cfg.dual_clip,
   )
+  mask = batch["loss_mask"] > 0
+  n = jnp.maximum(mask.sum().astype(jnp.float32), 1.0)
+  return loss, {**stats, "entropy": jnp.where(mask, entropy, 0.0).sum() / n}
 
 
 def num_shards(mesh: Mesh | None) -> int:

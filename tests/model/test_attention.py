@@ -174,7 +174,7 @@ def test_transformer_flash_under_remat_equals_dense():
     return -jnp.mean(transformer.score(model, tokens, pos, seg))
 
   g_dense = nnx.jit(nnx.grad(loss))(_tiny("dense"))
-  g_flash = nnx.jit(nnx.grad(loss))(_tiny("flash", remat=True))
+  g_flash = nnx.jit(nnx.grad(loss))(_tiny("flash", remat_policy="full"))
   for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_flash), strict=True):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
 

@@ -134,7 +134,7 @@ def test_remat_gives_same_gradients():
     return -transformer.score(model, tok, jnp.arange(12)[None], jnp.ones((1, 12), jnp.int32)).sum()
 
   g1 = nnx.jit(nnx.grad(loss))(_model(cfg))
-  g2 = nnx.jit(nnx.grad(loss))(_model(small_cfg(remat=True)))
+  g2 = nnx.jit(nnx.grad(loss))(_model(small_cfg(remat_policy="full")))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model import steps, transformer
-from asearcher_jax.rl.learner import Learner, PPOConfig
+from asearcher_jax.rl.learner import Learner, PPOConfig, ppo_objective
 from asearcher_jax.rl.replay import Group
 from tests.model.test_model import small_cfg
 
@@ -105,6 +105,32 @@ def test_first_minibatch_ratio_is_one_and_weights_are_decoupled(model):
   assert m["ppo/clip_frac"] == 0.0 and abs(m["ppo/approx_kl"]) < 1e-5
   # w = pi_prox / pi_behav is applied and capped: the behaviour noise shows up here
   assert m["ppo/imp_weight_max"] > 1.2 and 0 < m["ppo/cap_masked_frac"] < 1
+
+
+def test_ppo_reports_the_sampling_entropy_over_loss_tokens(model):
+  """`entropy` (-> ppo/entropy) is the mean over loss tokens of the entropy of softmax(logits / T)
+  that each token was drawn from, from the loss's own forward."""
+  cfg, graphdef, params = model
+  rng = np.random.default_rng(7)
+  n = 3
+  tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (n, LEN)), jnp.int32)
+  mask = np.zeros((n, LEN), np.float32)
+  mask[:, PROMPT:] = 1
+  mask[0, -2:] = 0
+  batch = {
+    "tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(LEN), (n, LEN)),
+    "segment_ids": jnp.ones((n, LEN), jnp.int32), "loss_mask": jnp.asarray(mask),
+    "logprobs": jnp.zeros((n, LEN)), "advantages": jnp.ones((n, LEN)),
+    "prox_logprobs": jnp.zeros((n, LEN)),
+  }  # fmt: skip
+  ppo = PPOConfig(row_len=LEN, temperature=0.8)
+  _, metrics = jax.jit(lambda p, b: ppo_objective(ppo, graphdef, p, b))(params, batch)
+  logits = np.asarray(nnx.merge(graphdef, params)(tokens), np.float64) / 0.8
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  ent = -(p * np.log(p)).sum(-1)[:, :-1]  # position t - 1 predicts token t
+  want = (ent * mask[:, 1:]).sum() / mask.sum()
+  np.testing.assert_allclose(float(metrics["entropy"]), want, rtol=1e-5)
 
 
 @pytest.mark.slow

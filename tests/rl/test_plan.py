@@ -16,7 +16,9 @@ from asearcher_jax.rl import plan_sim
 
 
 def test_trainer_memory_parts_shard_and_scale():
-  m = presets.model_config(name="qwen2.5-7b", remat=True, dtype="bfloat16", param_dtype="bfloat16")
+  m = presets.model_config(
+    name="qwen2.5-7b", remat_policy="full", dtype="bfloat16", param_dtype="bfloat16"
+  )
   one = mem.trainer_memory(m, mem.TrainerShape(chips=1, row_len=4096, live_blocks=1))
   many = mem.trainer_memory(m, mem.TrainerShape(chips=16, row_len=4096, live_blocks=1))
   p = m.num_params()

@@ -53,13 +53,13 @@ def test_a_class_nothing_builds_is_an_error_that_names_what_to_bind():
   assert "(config.ModelConfig.* take effect once gin builds it: also bind loading.PolicyConfig" in (
     main._help("sft", [])
   )
-  flags = ['commands.sft.trajectories = "t.jsonl"', "config.ModelConfig.remat = True"]
+  flags = ['commands.sft.trajectories = "t.jsonl"', 'config.ModelConfig.remat_policy = "full"']
   line = config_error("sft", [], flags)
-  assert line.startswith("--gin_param='config.ModelConfig.remat = True': ")
+  assert line.startswith("""--gin_param='config.ModelConfig.remat_policy = "full"': """)
   assert "nothing builds config.ModelConfig" in line
   assert "also bind loading.PolicyConfig.model = @config.ModelConfig()" in line
   main.configure("sft", [], [*flags, "loading.PolicyConfig.model = @config.ModelConfig()"])
-  assert gin.query_parameter("config.ModelConfig.remat") is True
+  assert gin.query_parameter("config.ModelConfig.remat_policy") == "full"
 
 
 def test_a_macro_nothing_uses_is_an_error():
