@@ -26,7 +26,6 @@ from typing import Any
 
 import gin
 
-from asearcher_jax.apps import plan as planning
 from asearcher_jax.apps.train_config import TrainConfig
 from asearcher_jax.errors import ConfigValueError
 from asearcher_jax.model import presets, steps
@@ -82,7 +81,8 @@ def recipe_from_gin(model: ModelConfig | None = None) -> Recipe:
     raise ConfigValueError("the recipe binds no policy (presets.model_config)")
   config = _bound(TrainConfig, TrainConfig())
   try:
-    chip = gin.get_bindings(planning.plan).get("chip", "v5p")
+    # By name: this module may not import apps.plan (plan compiles through it: a cycle).
+    chip = gin.get_bindings("plan").get("chip", "v5p")
   except ValueError:
     chip = "v5p"
   return Recipe(

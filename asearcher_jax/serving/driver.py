@@ -106,6 +106,10 @@ class DriverConfig:
     prefill: the slot goes live and the next decode step feeds that token and samples the first
     new one, with the same key and position a 1-token suffix prefill would use. False: a suffix
     prefill of that one token (as before 2026-11-26).
+  thread_nice: the engine thread's niceness on Linux (0-19; a thread's own, not the process's).
+    Above 0 a learner colocated in the same process gets the cores first whenever both compute,
+    so its step is not stretched by decoding beside it (CPU, `asearcher train` in one process);
+    0 leaves the thread as it is (accelerators: the thread only dispatches). Ignored elsewhere.
   """
 
   request_timeout_s: float = 3600.0

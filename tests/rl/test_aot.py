@@ -163,7 +163,7 @@ def test_plan_takes_the_trainer_memory_from_the_compile_when_asked(capsys):
   main.main([*argv, "--gin_param", "planning.plan.trainer_from_compile = True"])
   compiled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert formula["trainer_memory_source"].startswith("formula")
-  assert compiled["trainer_memory_source"].startswith("compile (v5p-32, dense attention)")
+  assert compiled["trainer_memory_source"].startswith("compile (v5p-32, splash attention)")
   t = compiled["trainer_gb_per_chip"]
   assert t["formula_total"] == formula["trainer_gb_per_chip"]["total"]
   assert t["total"] > 0 and t["total"] != t["formula_total"]
