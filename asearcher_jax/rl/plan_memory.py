@@ -10,9 +10,11 @@ Trainer, per chip (weights, moments and gradients FSDP-sharded over `chips`):
   activations per live decoder block of one micro-batch (`micro_rows` rows of `row_len` tokens
               per data shard, a chip each at tensor = 1: PPOConfig.micro_rows counts so): its dense intermediates (x, norms, q/k/v, attention output, the three
               SwiGLU [tokens, I] buffers) and `score_copies` fp32 copies of the causal attention
-              scores of every query block; with remat on an accelerator, the block inputs of
-              every layer plus one live block
-  logits      `logit_copies` fp32 [tokens, vocab] buffers (logits, log-softmax, gradient)
+              scores of every query block under dense attention (flash / splash keep only a
+              per-row logsumexp per head: linear in the row); with remat on an accelerator, the
+              block inputs of every layer plus one live block
+  logits      `logit_copies` fp32 [tokens, vocab] buffers (logits, log-softmax, gradient) of one
+              `ModelConfig.logits_chunk` of each row (the whole row when it is no longer)
 Serving, per chip: the weights in the param dtype, the KV cache (slots x context x layers x 2 x
 kv_heads x head_dim), and the decode step's logits, all divided over the replica's chips.
 
@@ -105,6 +107,15 @@ def causal_score_entries(row_len: int, block: int) -> int:
   return block * block * n * (n + 1) // 2
 
 
+def score_entries(model: ModelConfig, row_len: int) -> int:
+  """fp32 attention-score entries per head and row the backward pass keeps: the causal query
+  blocks' scores under dense attention, one logsumexp per query otherwise (flash, splash; "auto"
+  plans for an accelerator, where it is splash)."""
+  if model.attention == "dense":
+    return causal_score_entries(row_len, model.attention_block)
+  return row_len
+
+
 def trainer_memory(model: ModelConfig, shape: TrainerShape) -> dict[str, float]:
   """Bytes per chip of the trainer, by part, and their total."""
   p = model.num_params()
@@ -115,7 +126,9 @@ def trainer_memory(model: ModelConfig, shape: TrainerShape) -> dict[str, float]:
   q, kv = model.num_heads * hd, model.num_kv_heads * hd
   rows = shape.micro_rows
   tokens = rows * shape.row_len
-  scores = rows * model.num_heads * causal_score_entries(shape.row_len, model.attention_block)
+  scores = rows * model.num_heads * score_entries(model, shape.row_len)
+  chunk = model.logits_chunk
+  logit_tokens = rows * (chunk if 0 < chunk < shape.row_len else shape.row_len)
   block = (
     tokens * (6 * d + q + 2 * kv) * 4 + 3 * tokens * inter * 4 + shape.score_copies * scores * 4
   )
@@ -129,7 +142,7 @@ def trainer_memory(model: ModelConfig, shape: TrainerShape) -> dict[str, float]:
     "compute_copy": p * act / c if act != master else 0.0,
     "grads": p * master / c,
     "activations": layers,
-    "logits": shape.logit_copies * tokens * model.vocab_size * 4,
+    "logits": shape.logit_copies * logit_tokens * model.vocab_size * 4,
   }
   parts["total"] = sum(parts.values())
   return parts

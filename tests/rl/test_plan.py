@@ -29,11 +29,17 @@ def test_trainer_memory_parts_shard_and_scale():
   # ... not one chip's micro-batch.
   assert many["activations"] == one["activations"] and many["logits"] == one["logits"]
   assert one["total"] == pytest.approx(sum(v for k, v in one.items() if k != "total"))
-  # remat keeps one block live instead of all 28; the attention scores grow ~quadratically.
+  # remat keeps one block live instead of all 28; dense attention scores grow ~quadratically,
+  # flash / splash (the default "auto") linearly, and the logits are one chunk's either way.
   all_blocks = mem.trainer_memory(m, mem.TrainerShape(row_len=4096, live_blocks=None))
   assert all_blocks["activations"] > 10 * one["activations"]
   longer = mem.trainer_memory(m, mem.TrainerShape(row_len=8192, live_blocks=1))
-  assert longer["activations"] > 2.5 * one["activations"]
+  assert longer["activations"] == pytest.approx(2 * one["activations"], rel=0.01)
+  assert longer["logits"] == one["logits"]
+  dense = m.replace(attention="dense")
+  d1 = mem.trainer_memory(dense, mem.TrainerShape(row_len=4096, live_blocks=1))
+  d2 = mem.trainer_memory(dense, mem.TrainerShape(row_len=8192, live_blocks=1))
+  assert d2["activations"] > 2.5 * d1["activations"] and d1["activations"] > one["activations"]
 
 
 def test_serving_memory_and_fits():
