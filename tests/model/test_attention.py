@@ -73,8 +73,8 @@ def test_resolve_attention_by_target_platform():
 @pytest.mark.parametrize(
   "t,block,heads,kv_heads",
   [
-    (64, 16, 4, 2),  # 4 blocks, GQA
-    (50, 16, 4, 4),  # T not a multiple of the block (padded), MHA
+    pytest.param(64, 16, 4, 2, marks=pytest.mark.slow),  # 4 blocks, GQA
+    pytest.param(50, 16, 4, 4, marks=pytest.mark.slow),  # T not a block multiple (padded), MHA
     (12, 32, 4, 1),  # T shorter than one block, MQA
   ],
 )
@@ -101,6 +101,7 @@ def _relative_diffs(a, ref):
   return [float(abs(la - lr) / abs(lr)), *grads]
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_flash_bf16_within_its_rounding():
   """bf16 inputs (fp32 softmax statistics inside) against the fp32 reference on the same rounded
   inputs. Tolerance: relative error <= 2^-6 (4 bf16 ulps; measured ~2^-8, what dense-in-bf16
@@ -142,6 +143,7 @@ def _packed_tokens(rows: int, t: int):
   return jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_transformer_flash_equals_dense_logits_scores_and_param_grads():
   tokens, pos, seg = _packed_tokens(2, 30)  # 30 tokens: 4 flash blocks of 8, the last padded
   dense, flash = _tiny("dense"), _tiny("flash")
@@ -167,6 +169,7 @@ def test_transformer_flash_equals_dense_logits_scores_and_param_grads():
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_transformer_flash_under_remat_equals_dense():
   tokens, pos, seg = _packed_tokens(1, 20)
 
@@ -192,6 +195,7 @@ def _attention_temp_bytes(fn, t: int) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_flash_memory_grows_linearly_dense_quadratically():
   """4x the tokens: flash's temporaries grow < 6x, dense's > 10x (it keeps [T, T] arrays)."""
   flash = lambda q, k, v, s: attention.flash_causal(q, k, v, s, 128)  # noqa: E731
@@ -212,6 +216,7 @@ def test_splash_interpret_matches_dense():
   assert max(grad_diffs) <= 1e-5, grad_diffs
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_splash_under_a_mesh_runs_per_shard():
   """Under activation sharding the kernel runs in shard_map over batch (data) and heads (tensor);
   it computes what the unsharded dense reference does."""
