@@ -38,7 +38,10 @@ def host_memory() -> dict[str, float]:
     with open("/proc/self/statm") as f:
       out["host/rss_mb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
   except (OSError, ValueError, IndexError):
-    pass
+    return out
+  # The two are read a moment apart (and statm counts pages the kernel's peak has not caught up
+  # with yet): the peak is at least what is resident now.
+  out["host/peak_rss_mb"] = max(out["host/peak_rss_mb"], out["host/rss_mb"])
   return out
 
 
