@@ -30,6 +30,9 @@ def peak_rss_mb() -> float:
   return peak / 2**20 if sys.platform == "darwin" else peak / 1024.0
 
 
+_seen_peak_mb = 0.0  # the highest host_memory() peak reported so far (it never falls)
+
+
 def host_memory() -> dict[str, float]:
   """`host/rss_mb` (resident now; Linux only) and `host/peak_rss_mb`, logged every RL step so
   that memory growing over a run shows as a curve, not only as a peak at the end."""
@@ -40,8 +43,10 @@ def host_memory() -> dict[str, float]:
   except (OSError, ValueError, IndexError):
     return out
   # The two are read a moment apart (and statm counts pages the kernel's peak has not caught up
-  # with yet): the peak is at least what is resident now.
-  out["host/peak_rss_mb"] = max(out["host/peak_rss_mb"], out["host/rss_mb"])
+  # with yet): the peak is at least what was ever resident at a reading, and never falls.
+  global _seen_peak_mb
+  _seen_peak_mb = max(_seen_peak_mb, out["host/peak_rss_mb"], out["host/rss_mb"])
+  out["host/peak_rss_mb"] = _seen_peak_mb
   return out
 
 
