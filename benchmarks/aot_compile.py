@@ -16,9 +16,9 @@ trajectories reach; QwQ-32B's recipe binds 32,768 itself.
 
 A program the TPU compiler refuses (RESOURCE_EXHAUSTED) is reported as not fitting, with the
 temporaries it named plus the arguments as a lower bound. Each recipe compiles in a child process
-given COMPILE_TIMEOUT_S: today's layers are a Python loop and dense attention unrolls 256 query
-blocks per layer at 32k tokens, so a compile may not finish; that is reported as such (fits
-unknown), not waited for. The last line is one JSON object.
+given COMPILE_TIMEOUT_S (a dense program with many query blocks per layer can take minutes); a
+compile that does not finish is reported as such (fits unknown), not waited for. The last line
+is one JSON object.
 """
 
 from __future__ import annotations
