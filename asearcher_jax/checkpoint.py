@@ -165,6 +165,20 @@ class Checkpointer:
         f"cannot restore {name}.{key} of step {step} from {self.cfg.directory!r}: {e}"
       ) from e
 
+  def part_keys(self, name: str, key: str, step: int) -> list[str]:
+    """The top-level keys of `key` in the array item `name` of `step`, from the checkpoint's
+    metadata (no array is read): which form a tree was saved in, since a partial restore
+    against the wrong structure fills what is missing from its target instead of failing."""
+    path = epath.Path(self._directory) / str(step) / name
+    try:
+      with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.metadata(path).item_metadata
+      return sorted(tree[key].keys())
+    except (FileNotFoundError, KeyError, TypeError, ValueError) as e:
+      raise CheckpointError(
+        f"cannot read the metadata of {name}.{key} of step {step} from {self.cfg.directory!r}: {e}"
+      ) from e
+
   def restore_latest(self, targets: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
     """Like `restore(targets)`, but a newest checkpoint that cannot be read (a crash or a bad
     disk mid-write, a file gone) is skipped, loudly, for the one before it; each skip is kept

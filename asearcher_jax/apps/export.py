@@ -31,8 +31,8 @@ from asearcher_jax.apps.train import POLICY_CONFIG
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.errors import AsearcherError, CheckpointError, ConfigValueError
 from asearcher_jax.model import hf_io
+from asearcher_jax.model import steps as model_steps
 from asearcher_jax.model.config import from_hf_config
-from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.sft.export import copy_tokenizer
 
 # Written beside the weights: which run, step and policy version they are.
@@ -113,13 +113,17 @@ def export(
     step = max(steps) if step is None else step
     if step not in steps:
       raise AsearcherError(f"no checkpoint for step {step} in {str(run)!r}; it has {steps}")
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     try:
+      # The learner checkpoints the form it trained in (stacked layers under scan_layers).
+      stacked = "stacked_layers" in ck.part_keys("train_state", "params", step)
+      graphdef, abstract = model_steps.abstract_params(cfg, stacked=stacked)
       params = ck.restore_part("train_state", "params", abstract, step)
       _, meta = ck.restore({"meta": None}, step)
     except CheckpointError as e:  # e.g. a config of another model: shapes differ
       raise AsearcherError(f"cannot export step {step} of {str(run)!r}: {e}") from e
   _check_shapes(abstract, params)
+  params = model_steps.list_form(graphdef, params)
+  graphdef, _ = model_steps.abstract_params(cfg)
   out = Path(out_dir) if out_dir else run / "export" / f"step_{step}"
   model = nnx.merge(graphdef, params)
   hf_io.save(model, out, dtype=dtype)

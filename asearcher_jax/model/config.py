@@ -54,7 +54,8 @@ class ModelConfig:
       kept buffer is stacked over layers, and stacking all of them ("none") cost ~12 % of the
       step on XLA:CPU (docs/design_notes.md).
     scan_layers: run the training/scoring path's blocks under one `jax.lax.scan` (compile time
-      independent of depth); False unrolls a Python loop (the reference). Serving always loops.
+      independent of depth), the learner then keeping the layers stacked (`steps.train_form`);
+      False unrolls a Python loop (the reference). Serving always loops.
     logits_chunk: tokens per row whose [rows, chunk, vocab] fp32 logits are live at once in
       `transformer.score` (and so in every loss built on it); each chunk is recomputed in the
       backward pass. 0, or a row no longer than it, computes the whole [rows, T, vocab] at once.

@@ -21,7 +21,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.transformer import Transformer, score, score_and_entropy
+from asearcher_jax.model.transformer import (
+  Transformer,
+  is_stacked,
+  score,
+  score_and_entropy,
+  stack_params,
+  unstack_params,
+)
 
 Batch = Mapping[str, jax.Array]  # tokens, positions, segment_ids [B, T] (+ loss_mask, ...)
 
@@ -53,6 +60,17 @@ class OptimizerConfig:
   grad_clip: float | None = 1.0
 
 
+def _decayed(params: Any) -> Any:
+  """Weight decay on matrices only (not norms or biases), counting a stacked layer's leaf by
+  the rank of one layer's slice (`Transformer.stack` adds a leading layer axis)."""
+
+  def one(path, x) -> bool:
+    stacked = any(getattr(k, "key", None) == "stacked_layers" for k in path)
+    return x.ndim - int(stacked) >= 2
+
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   if cfg.total_steps:
     schedule = optax.warmup_cosine_decay_schedule(
@@ -67,7 +85,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   parts.append(
     optax.adamw(
       schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-      mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params),
+      mask=_decayed,
     )
   )  # fmt: skip
   return optax.chain(*parts)
@@ -164,11 +182,20 @@ def abstract_params(
   mesh: Mesh | None = None,
   rules: Mapping = sharding_lib.DEFAULT_RULES,
   master_dtype: str | None = None,
+  stacked: bool = False,
 ) -> tuple[nnx.GraphDef, nnx.State]:
   """The model's graphdef and its parameters as ShapeDtypeStructs (`jax.eval_shape` of the
   init: no weights exist), floating ones in `master_dtype` (None: their own), each with the
-  sharding `sharding.param_shardings` gives it over `mesh`."""
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  sharding `sharding.param_shardings` gives it over `mesh`; `stacked` gives the learner's form
+  (`train_form`)."""
+
+  def build() -> Transformer:
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if stacked:
+      model.stack()
+    return model
+
+  graphdef, params = nnx.split(nnx.eval_shape(build))
   dt = None if master_dtype is None else jnp.dtype(master_dtype)
 
   def dtype(x):
@@ -181,6 +208,51 @@ def abstract_params(
     lambda s, var: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype(x), sharding=s), var),
     shardings, params,
   )  # fmt: skip
+
+
+def trains_stacked(cfg: ModelConfig) -> bool:
+  """Whether the learner keeps this model's layers stacked: under `scan_layers` (see
+  `Transformer`). The one place that decides it (`train_form`, and the AOT compile's
+  `abstract_params(stacked=...)`)."""
+  return cfg.scan_layers
+
+
+def train_form(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  *,
+  mesh: Mesh | None = None,
+  rules: Mapping = sharding_lib.DEFAULT_RULES,
+) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, params) as the learner keeps them: stacked when `trains_stacked`, each leaf on
+  its `param_shardings` over `mesh`. The caller's list-form arrays are left intact (they may be
+  the engine's first weights); the stacked copy is built in one jitted call."""
+  if is_stacked(params) or not trains_stacked(nnx.merge(graphdef, params).cfg):
+    return graphdef, params
+  out = {}
+
+  def stack(p: nnx.State) -> nnx.State:
+    out["graphdef"], stacked = stack_params(graphdef, p)
+    return stacked
+
+  shardings = None
+  if mesh is not None:
+    shardings = sharding_lib.param_shardings(jax.eval_shape(stack, params), mesh, rules)
+  stacked = jax.jit(stack, out_shardings=shardings)(params)
+  return out["graphdef"], stacked
+
+
+def list_form(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
+  """`params` with one module per layer (the inverse of `train_form`; new buffers when they
+  were stacked, the same ones otherwise): what the engine, hf_io and exports read."""
+  if not is_stacked(params):
+    return params
+  return _unstack_jit(graphdef, params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unstack_jit(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
+  return unstack_params(graphdef, params)[1]
 
 
 def score_batch(

@@ -240,8 +240,51 @@ def stack_layers(layers: Sequence[nnx.Module], cfg: ModelConfig) -> tuple[nnx.Gr
   return graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _stacked_layer(layers: Sequence[nnx.Module]) -> nnx.Module:
+  """One layer module whose variables hold every layer's value on a new leading axis (stored
+  that way, in the variables' own dtype; the layer axis is a leading None in `logical_axes`)."""
+  graphdef, first = nnx.split(layers[0])
+  states = [first, *(nnx.split(layer)[1] for layer in layers[1:])]
+
+  def stack(*variables: nnx.Variable) -> nnx.Variable:
+    axes = variables[0].get_metadata().get("logical_axes")
+    value = jnp.stack([v.get_value() for v in variables])
+    if axes is None:
+      return variables[0].replace(value)
+    return variables[0].replace(value, logical_axes=(None, *axes))
+
+  return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
+
+
+def _unstacked_layers(stacked: nnx.Module, num_layers: int) -> list[nnx.Module]:
+  """The inverse of `_stacked_layer`: `num_layers` modules with the original metadata."""
+  graphdef, state = nnx.split(stacked)
+
+  def layer(i: int) -> nnx.Module:
+    def one(v: nnx.Variable) -> nnx.Variable:
+      axes = v.get_metadata().get("logical_axes")
+      if axes is None:
+        return v.replace(v.get_value()[i])
+      return v.replace(v.get_value()[i], logical_axes=tuple(axes[1:]))
+
+    return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=_is_var))
+
+  return [layer(i) for i in range(num_layers)]
+
+
 class Transformer(nnx.Module):
-  """Decoder-only policy. Parameter names mirror the Hugging Face module tree (see hf_io)."""
+  """Decoder-only policy. Parameter names mirror the Hugging Face module tree (see hf_io).
+
+  Layers are stored one module each (`layers`, what hf_io, the engine, the weights store and
+  exports read) or stacked (`stacked_layers`: one module whose variables carry a leading layer
+  axis, `layers` empty), which is how the learner keeps them under `scan_layers`: the scan then
+  reads its weights in place, and the optimizer updates a dozen stacked leaves instead of a
+  dozen per layer (the train step's compile time stops growing with depth). `stack` and
+  `unstack` convert in place; see `stack_params` / `unstack_params` for states."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -251,6 +294,7 @@ class Transformer(nnx.Module):
       init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt), ("vocab", "embed")
     )
     self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.stacked_layers: nnx.Module | None = nnx.data(None)
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
     if cfg.tie_word_embeddings:
       self.lm_head = None
@@ -259,6 +303,18 @@ class Transformer(nnx.Module):
       self.lm_head = _param(
         init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt), ("vocab", "embed")
       )
+
+  def stack(self) -> None:
+    """Moves the layers into `stacked_layers` (one leading layer axis per variable)."""
+    if self.stacked_layers is None:
+      self.stacked_layers = nnx.data(_stacked_layer(list(self.layers)))
+      self.layers = nnx.List([])
+
+  def unstack(self) -> None:
+    """Moves `stacked_layers` back into one module per layer, metadata as they were built."""
+    if self.stacked_layers is not None:
+      self.layers = nnx.List(_unstacked_layers(self.stacked_layers, self.cfg.num_layers))
+      self.stacked_layers = None
 
   def rope(self, positions: jax.Array) -> RopeTables:
     cfg = self.cfg
@@ -287,12 +343,15 @@ class Transformer(nnx.Module):
     """Runs the blocks over a packed batch; returns the last hidden state [B, T, D]."""
     x = self.embed(tokens)
     rope = self.rope(positions)
-    if not self.cfg.scan_layers:  # the reference: one traced copy of the block per layer
+    if self.stacked_layers is not None:  # stored stacked: the scan reads them in place
+      graphdef, stacked = nnx.split(self.stacked_layers)
+    elif not self.cfg.scan_layers:  # the reference: one traced copy of the block per layer
       for layer in self.layers:
         graphdef, state = nnx.split(layer)
         x = _block_fn(graphdef, self.cfg, rope, segment_ids)(state, x)
       return x
-    graphdef, stacked = stack_layers(self.layers, self.cfg)
+    else:
+      graphdef, stacked = stack_layers(self.layers, self.cfg)
     block = _block_fn(graphdef, self.cfg, rope, segment_ids)
     x, _ = jax.lax.scan(lambda h, state: (block(state, h), None), x, stacked)
     return x
@@ -332,6 +391,8 @@ class Transformer(nnx.Module):
     cache of exactly T positions (a prefill), letting attention skip the keys a query block
     cannot see. Queries run in blocks of `attention_block` either way, bounding memory.
     """
+    if self.stacked_layers is not None:
+      raise ValueError("extend runs over layers stored one module each: unstack() first")
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     x = self.embed(tokens)
     rope = self.rope(positions)
@@ -344,6 +405,31 @@ class Transformer(nnx.Module):
       vs.append(v_buf)
     out = x if return_hidden else self.logits(x)
     return out, KVCache(k=tuple(ks), v=tuple(vs))
+
+
+def stack_params(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+  """The stacked form (`Transformer.stack`) of a model given one module per layer; works on
+  arrays, tracers (under jit) and ShapeDtypeStructs alike. A stacked state passes through."""
+  if is_stacked(params):
+    return graphdef, params
+  model = nnx.merge(graphdef, params)
+  model.stack()
+  return nnx.split(model)
+
+
+def unstack_params(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+  """One module per layer again (what hf_io, the engine and exports read), the graphdef and
+  state structure exactly those the model was built with. A list-form state passes through."""
+  if not is_stacked(params):
+    return graphdef, params
+  model = nnx.merge(graphdef, params)
+  model.unstack()
+  return nnx.split(model)
+
+
+def is_stacked(params: nnx.State) -> bool:
+  """Whether a Transformer state holds its layers stacked (see `Transformer`)."""
+  return "stacked_layers" in params
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature=1.0) -> jax.Array:

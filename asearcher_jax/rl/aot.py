@@ -237,8 +237,9 @@ def compile_learner(
   rows = rows_per_shard * shards
   opt = steps.make_optimizer(optimizer)
   graphdef, params = steps.abstract_params(
-    model, mesh=m, rules=rules, master_dtype=precision.master_dtype
-  )
+    model, mesh=m, rules=rules, master_dtype=precision.master_dtype,
+    stacked=steps.trains_stacked(model),
+  )  # fmt: skip
   state = steps.abstract_train_state(params, opt)
   train_fn, score_fn = learner_lib.compile_steps(
     graphdef, state, ppo=ppo, optimizer=opt, mesh=m, rules=rules

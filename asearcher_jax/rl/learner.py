@@ -268,6 +268,10 @@ class Learner:
       # The same values on every process (one init seed, one checkpoint); each process places
       # only the shards its devices hold.
       params = sharding_lib.put(params, sharding_lib.param_shardings(params, mesh, rules))
+    # Trained (and checkpointed) in the stacked form under scan_layers; `params` and
+    # `params_copy` hand out one module per layer, as the engine and the weights store read.
+    graphdef, params = steps.train_form(graphdef, params, mesh=mesh, rules=rules)
+    self._graphdef = graphdef
     self.state = steps.init_train_state(params, self._optimizer)
     self.num_shards = num_shards(mesh)
     self._batch_sharding = None
@@ -281,13 +285,15 @@ class Learner:
 
   @property
   def params(self) -> nnx.State:
-    return self.state.params
+    """The master parameters, one module per layer (a new copy when trained stacked)."""
+    return steps.list_form(self._graphdef, self.state.params)
 
   def params_copy(self) -> nnx.State:
     """A copy for the engine, in the dtypes the policy was loaded in, that survives the next
     (donating) optimizer step."""
+    fresh = steps.is_stacked(self.state.params)  # list_form already made new buffers
     return jax.tree.map(
-      lambda x, d: x.astype(d) if x.dtype != d else jnp.copy(x), self.state.params,
+      lambda x, d: x.astype(d) if x.dtype != d else (x if fresh else jnp.copy(x)), self.params,
       self._serve_dtypes,
     )  # fmt: skip
 

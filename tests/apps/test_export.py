@@ -26,13 +26,20 @@ from asearcher_jax.tokenizer import Tokenizer
 
 
 def _checkpoint_params(train_state_dir) -> dict[tuple, np.ndarray]:
-  """An independent read: the whole train state restored without a target (nested dicts)."""
+  """An independent read: the whole train state restored without a target (nested dicts); a
+  learner's stacked layers (leading layer axis under "stacked_layers") cut into layers here."""
   raw = ocp.StandardCheckpointer().restore(train_state_dir.resolve())
   flat = traverse_util.flatten_dict(raw["params"])
   assert all(p[-1] == "value" for p in flat)
-  return {
-    tuple(int(k) if k.isdigit() else k for k in p[:-1]): np.asarray(v) for p, v in flat.items()
-  }
+  out = {}
+  for p, v in flat.items():
+    path = tuple(int(k) if k.isdigit() else k for k in p[:-1])
+    if path[0] == "stacked_layers":
+      for i, layer in enumerate(np.asarray(v)):
+        out[("layers", i, *path[1:])] = layer
+    else:
+      out[path] = np.asarray(v)
+  return out
 
 
 def _assert_exported(out, params: dict[tuple, np.ndarray], dtype=np.float32) -> None:

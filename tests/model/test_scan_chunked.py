@@ -195,3 +195,71 @@ def test_stacking_casts_fp32_masters_to_the_compute_dtype():
   model = transformer.Transformer(cfg32, rngs=nnx.Rngs(0))
   stacked = nnx.to_pure_dict(transformer.stack_layers(model.layers, cfg32)[1])
   assert stacked["self_attn"]["q_proj"]["kernel"].dtype == jnp.bfloat16
+
+
+def test_stacked_form_round_trips_exactly_and_scores_as_the_list_form():
+  """The learner's stacked layers (`Transformer.stack`): unstacking gives back the list form's
+  graphdef, tree structure (metadata included: the engine's jitted steps key on it) and values;
+  the stacked model's logits equal the list form's under the scan; a layer's leaves carry a
+  leading layer axis with a None logical axis (replicated over the layers)."""
+  cfg = small_cfg(num_layers=3, logits_chunk=0)
+  graphdef, params = _params(cfg)
+  sgd, stacked = transformer.stack_params(graphdef, params)
+  assert transformer.is_stacked(stacked) and not transformer.is_stacked(params)
+  q = stacked["stacked_layers"]["self_attn"]["q_proj"]["kernel"]
+  one = params["layers"][0]["self_attn"]["q_proj"]["kernel"]
+  assert q.get_value().shape == (3, *one.get_value().shape)
+  assert q.get_metadata()["logical_axes"] == (None, *one.get_metadata()["logical_axes"])
+  ugd, back = transformer.unstack_params(sgd, stacked)
+  assert ugd == graphdef and jax.tree.structure(back) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert steps.list_form(sgd, stacked)["layers"][2]["mlp"]["down_proj"]["kernel"].shape == (
+    params["layers"][2]["mlp"]["down_proj"]["kernel"].shape
+  )
+  batch = _batch(cfg)
+  args = (batch["tokens"], batch["positions"], batch["segment_ids"])
+  got = jax.jit(lambda p: nnx.merge(sgd, p)(*args))(stacked)
+  want = jax.jit(lambda p: nnx.merge(graphdef, p)(*args))(params)
+  np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+  with pytest.raises(ValueError, match="unstack"):
+    nnx.merge(sgd, stacked).extend(batch["tokens"], jnp.zeros((2,), jnp.int32), None)
+
+
+def test_the_optimizer_decays_the_same_leaves_stacked_or_not():
+  """Weight decay applies to matrices only; a stacked norm scale [L, D] is still a vector."""
+  cfg = small_cfg(num_layers=2)
+  graphdef, params = _params(cfg)
+  _, stacked = transformer.stack_params(graphdef, params)
+
+  def decayed(tree):
+    return sorted(
+      "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path if hasattr(k, "key"))
+      for path, on in jax.tree_util.tree_flatten_with_path(steps._decayed(tree))[0]
+      if on
+    )
+
+  listed = {p.replace("layers/0/", "L/") for p in decayed(params) if "layers/1/" not in p}
+  assert {p.replace("stacked_layers/", "L/") for p in decayed(stacked)} == listed
+  assert not any("layernorm" in p for p in listed) and any("q_proj/kernel" in p for p in listed)
+
+
+def _step_hlo_chars(cfg, stacked: bool) -> int:
+  """Text size of the whole AdamW step over the model's stacked or list form."""
+  graphdef, params = steps.abstract_params(cfg, stacked=stacked)
+  opt = steps.make_optimizer(steps.OptimizerConfig(learning_rate=1e-3))
+  state = steps.abstract_train_state(params, opt)
+  step = steps.compile_train_step(graphdef, opt, steps.nll_loss, state)
+  return len(step.lower(state, _batch(cfg)).as_text())
+
+
+def test_the_train_step_over_stacked_layers_does_not_grow_with_depth():
+  """With the layers stored stacked the optimizer's update is one chain per stacked leaf, so
+  the whole step's program (what compile time follows) is the same size at 2 and 8 layers; in
+  the list form it grows by a dozen update chains per layer."""
+  cfgs = [small_cfg(num_layers=n) for n in (2, 8)]
+  assert all(steps.trains_stacked(c) for c in cfgs)  # the learner's form by default
+  stacked = [_step_hlo_chars(c, stacked=True) for c in cfgs]
+  listed = [_step_hlo_chars(c, stacked=False) for c in cfgs]
+  assert stacked[1] / stacked[0] < 1.1, stacked
+  assert listed[1] / listed[0] > 1.5, listed
