@@ -211,6 +211,9 @@ class Workload:
   # The engine thread's niceness (DriverConfig.thread_nice): > 0 gives the learner the cores
   # first when both compute (both modes run the same driver).
   engine_nice: int = 0
+  # DriverConfig.yield_to_learner: the engine thread pauses while the learner steps ("auto": on
+  # CPU, where the two share the cores).
+  yield_to_learner: str = "auto"
   # Batches per mode whose learner step is timed again alone afterwards (`learner_alone`);
   # 0: none.
   alone_steps: int = 5
@@ -313,6 +316,7 @@ def driver_config(w: Workload) -> DriverConfig:
     prefix_reuse=w.prefix_reuse,
     kv_on_update="recompute" if w.kv_on_update == "both" else w.kv_on_update,
     thread_nice=w.engine_nice,
+    yield_to_learner=w.yield_to_learner,
   )
 
 
@@ -535,6 +539,7 @@ def run_mode(
     ),
     learner=shared.learner, replay=replay, staleness=staleness,
     weight_sync=weight_sync, rollout=rollout, engine_stats=engine_stats,
+    learner_step=shared.driver.learner_step if server is None else None,
   )  # fmt: skip
   stats0 = engine_stats()
   tokens0 = float(stats0["tokens_generated"])
@@ -635,6 +640,10 @@ def run_mode(
       "update_s": round(end["update_s"] - stats0["update_s"], 2),
       "reprefill_tokens": int(end["reprefill_tokens"] - stats0["reprefill_tokens"]),
       "decode_s": round(end["decode_s"] - stats0["decode_s"], 2),
+      # Seconds the engine thread paused for the learner's steps (DriverConfig.yield_to_learner).
+      "learner_yield_s": round(
+        end.get("learner_yield_s", 0.0) - stats0.get("learner_yield_s", 0.0), 2
+      ),
       # The engine thread's busy time (prefill + updates + decode calls, less the compiles in
       # them) per trained token.
       "busy_s_per_trained_token": round(busy / max(sum(trained), 1), 8),
@@ -708,6 +717,10 @@ def parse(argv: list[str] | None) -> Workload:
     "--engine-nice", type=int, default=d.engine_nice,
     help="the engine thread's niceness (0-19; DriverConfig.thread_nice)",
   )  # fmt: skip
+  p.add_argument(
+    "--yield-to-learner", choices=("auto", "on", "off"), default=d.yield_to_learner,
+    help="the engine thread pauses while the learner steps (DriverConfig.yield_to_learner)",
+  )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   p.add_argument(
     "--no-warmup", action="store_true",
@@ -740,7 +753,8 @@ def parse(argv: list[str] | None) -> Workload:
     tool_latency=dataclasses.replace(d.tool_latency, median=a.tool_median_s), seed=a.seed,
     prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update, engine=a.engine,
     engine_settings=a.engine_settings, decode_steps=a.decode_steps,
-    engine_cpus=parse_cpus(a.engine_cpus), engine_nice=a.engine_nice, warmup=not a.no_warmup,
+    engine_cpus=parse_cpus(a.engine_cpus), engine_nice=a.engine_nice,
+    yield_to_learner=a.yield_to_learner, warmup=not a.no_warmup,
   )  # fmt: skip
 
 

@@ -262,6 +262,7 @@ def build_run(
     checkpointer=ckpt,
     writer=writer,
     engine_stats=engine_stats,
+    learner_step=drv.learner_step if remote is None else None,
   )
   return TrainRun(
     config=config, tokenizer=policy.tokenizer, engine=eng, driver=drv, learner=learner,

@@ -41,6 +41,7 @@ lead the JSON items); replay commits, journals and published weights stay on the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -151,6 +152,7 @@ class Trainer:
     checkpointer: Checkpointer | None = None,
     writer: MetricWriter | None = None,
     engine_stats: Callable[[], Mapping[str, float]] | None = None,
+    learner_step: Callable[[], contextlib.AbstractContextManager] | None = None,
   ) -> None:
     self.lead = distributed.is_lead()
     self.multi = distributed.multi_process()
@@ -180,6 +182,9 @@ class Trainer:
     self.checkpointer = checkpointer
     self.writer = writer or MetricWriter(None)
     self.engine_stats = engine_stats
+    # Held around each learner step: an in-process engine on the same cores pauses meanwhile
+    # (`Driver.learner_step`, DriverConfig.yield_to_learner); None: nothing to tell.
+    self._learner_step = learner_step or contextlib.nullcontext
     self._uncommitted: list[str] = []  # trained since the last checkpoint
     self._saving: list[str] = []  # trained and in the checkpoint Orbax is still writing
     self.trained_ids: list[list[str]] = []  # per step of this process (tests, summaries)
@@ -351,7 +356,8 @@ class Trainer:
   def _train(self, groups: Sequence[Group]) -> dict[str, float]:
     ids = [g.group_id for g in groups]
     try:
-      metrics = self.learner.train_step(groups)
+      with self._learner_step():
+        metrics = self.learner.train_step(groups)
     except Exception:
       if self.replay is not None:
         self.replay.release(ids)  # nothing was learned from them: they stay queued

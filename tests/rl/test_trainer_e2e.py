@@ -16,6 +16,7 @@ even-token "smoke" reward stands in for F1 (see `apps.train.smoke_scorer`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -259,7 +260,7 @@ def stub_group(i: int) -> Group:
   return Group(group_id=f"g{i}", trajectories=[[seq]], advantages=[1.0], created_version=0)
 
 
-def stub_trainer(run_dir: Path, steps: int, *, blocking: bool = False):
+def stub_trainer(run_dir: Path, steps: int, *, blocking: bool = False, learner_step=None):
   staleness = StalenessManager(StalenessConfig(batch_groups=1, max_staleness=4))
   replay = ReplayQueue(ReplayConfig(directory=str(run_dir / "replay")))
   ckpt = Checkpointer(CheckpointConfig(directory=str(run_dir / "ckpt"), async_save=False))
@@ -270,9 +271,34 @@ def stub_trainer(run_dir: Path, steps: int, *, blocking: bool = False):
       blocking_checkpoints=blocking,
     ),
     learner=learner, replay=replay, staleness=staleness, weight_sync=StubSync(staleness),
-    checkpointer=ckpt,
+    checkpointer=ckpt, learner_step=learner_step,
   )  # fmt: skip
   return trainer, learner, replay, staleness, ckpt
+
+
+def test_the_trainer_holds_learner_step_around_each_step_and_nothing_else(tmp_path):
+  """What `Driver.learner_step` pauses the colocated engine for: the learner's step itself,
+  not the wait for a batch, the publish or the checkpoint."""
+  events = []
+
+  @contextlib.contextmanager
+  def held():
+    events.append("enter")
+    yield
+    events.append("exit")
+
+  trainer, learner, replay, _, ckpt = stub_trainer(tmp_path, steps=2, learner_step=held)
+  real = learner.train_step
+  learner.train_step = lambda groups: (events.append("train"), real(groups))[1]
+  try:
+    for i in range(2):
+      replay.push(stub_group(i), timeout=1)
+    trainer.restore()
+    trainer.run()
+  finally:
+    ckpt.close()
+    replay.close()
+  assert events == ["enter", "train", "exit"] * 2
 
 
 def run_stub_trainer(run_dir: Path, *, steps: int, groups: int):
