@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -42,6 +43,8 @@ from asearcher_jax.data.qa import QAExample, load_training_qa
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model.config import ModelConfig, to_hf_config
+from asearcher_jax.model.sharding import MeshConfig
+from asearcher_jax.rl import aot
 from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.rl.episodes import EPISODES_FILE, EpisodeLog
 from asearcher_jax.rl.inflight import RESUME_LOG, ResumeLog
@@ -159,6 +162,44 @@ RETRIEVAL_ADDRS = "retrieval_addrs"
 POLICY_CONFIG = "policy_config.json"
 
 
+def check_fit(
+  config: TrainConfig, model: ModelConfig, devices: Sequence, hbm_bytes: float
+) -> dict[str, Any]:
+  """Compiles the learner's optimizer step and its prox pass (`aot.compile_learner`, what the
+  Learner runs) for `devices` and raises a one-line AsearcherError if either needs more than
+  `hbm_bytes` a device: a run too big for its slice is refused before the engine, the
+  learner's weights or a rollout exist. A colocated engine needs room besides, so passing is
+  necessary, not sufficient. Returns the compile's report."""
+  report = aot.compile_learner(
+    model, devices=devices, hbm_gib=hbm_bytes / aot.GIB, ppo=config.ppo(),
+    optimizer=config.learner.optimizer, mesh=config.mesh or MeshConfig(),
+  )  # fmt: skip
+  for part in ("train", "score"):
+    r = report.get(part)
+    if r is None or (part == "score" and not r.get("runs")) or r["fits"]:
+      continue
+    at_least = "at least " if r.get("total_is_lower_bound") else ""
+    raise AsearcherError(
+      f"the learner's {part} step needs {at_least}{r['total_gib']:.1f} GiB a device (compiled "
+      f"for {len(devices)} x {devices[0].device_kind}, mesh {report['mesh']}, "
+      f"{report['rows']} rows of {config.ppo().row_len} tokens), the device has "
+      f"{hbm_bytes / aot.GIB:.1f} GiB: lower learner.ppo.micro_rows or row_len, use "
+      "remat_policy='full', or a larger slice (`asearcher compile` shows the split)"
+    )
+  return report
+
+
+def _check_fit_here(config: TrainConfig, model: ModelConfig) -> None:
+  """`check_fit` on this host's accelerator devices (their allocator's limit); CPU: nothing."""
+  devices = jax.devices()
+  limit = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
+  if not config.check_fit or devices[0].platform == "cpu" or not limit:
+    return
+  report = check_fit(config, model, devices, float(limit))
+  log.info("the learner fits: %.1f GiB of %.1f a device", report["train"]["total_gib"],
+           limit / aot.GIB)  # fmt: skip
+
+
 def build_run(
   config: TrainConfig,
   *,
@@ -183,6 +224,7 @@ def build_run(
     )
   # A wrong name or a config of another agent fails before any work.
   agent_cls, agent_cfg = registry.resolve(config.agent.name, config.agent.config)
+  _check_fit_here(config, policy.module.cfg)
   graphdef, params = nnx.split(policy.module)
   eng = drv = remote = None
   if remote_cfg.enabled:

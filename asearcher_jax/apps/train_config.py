@@ -99,6 +99,10 @@ class TrainConfig:
   # Checkpoints kept (older ones deleted); each holds 12 bytes a parameter (fp32 master weights
   # and Adam moments: `asearcher plan` states the GB and seconds of a recipe's).
   checkpoints_kept: int = 2
+  # On an accelerator, compile the learner's step for this host's devices before anything else
+  # starts and refuse a program that does not fit a device's memory (`apps.train.check_fit`);
+  # CPU hosts have no fixed device memory and skip it.
+  check_fit: bool = True
   # Where checkpoints go; None: <run_dir>/checkpoints. A gs:// URL goes to Orbax as it is (its
   # tensorstore GCS driver writes every host's shards; no gcsfuse mount on the path).
   checkpoint_dir: str | None = None

@@ -167,3 +167,22 @@ def test_plan_takes_the_trainer_memory_from_the_compile_when_asked(capsys):
   t = compiled["trainer_gb_per_chip"]
   assert t["formula_total"] == formula["trainer_gb_per_chip"]["total"]
   assert t["total"] > 0 and t["total"] != t["formula_total"]
+
+
+@needs_libtpu
+def test_asearcher_train_refuses_a_learner_too_big_for_its_devices_before_it_starts():
+  """`apps.train.check_fit` (run by `build_run` on accelerators, before the engine or the
+  learner's weights exist): the same tiny learner compiled for a v5p-8's devices passes at the
+  chip's 95 GiB and is refused in one line at 1 MiB."""
+  from asearcher_jax.apps import train as train_app
+  from asearcher_jax.apps.train_config import LearnerConfig, TrainConfig
+  from asearcher_jax.errors import AsearcherError
+
+  cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1,
+                    num_heads=4, num_kv_heads=2, param_dtype="bfloat16", dtype="bfloat16")  # fmt: skip
+  config = TrainConfig(learner=LearnerConfig(ppo=PPOConfig(row_len=128, temperature=1.0)))
+  devices = aot.slice_devices(aot.tpu_slice("v5p-8"))
+  report = train_app.check_fit(config, cfg, devices, 95 * aot.GIB)
+  assert report["train"]["fits"] and report["chips"] == 4
+  with pytest.raises(AsearcherError, match=r"train step needs .* GiB a device .* 4 x .* has 0\.0"):
+    train_app.check_fit(config, cfg, devices, 2**20)
