@@ -462,9 +462,15 @@ def token_entropy(logits: jax.Array, temperature=1.0) -> jax.Array:
 
 
 def _next_token_stats(
-  model: Transformer, hidden: jax.Array, targets: jax.Array, temperature, entropy: bool
-) -> tuple[jax.Array, jax.Array | None]:
-  """Logprob of targets [B, T] (and the entropy) under the logits of hidden [B, T, D], computed
+  model: Transformer,
+  hidden: jax.Array,
+  targets: jax.Array,
+  temperature,
+  entropy: bool,
+  correct: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """Logprob of targets [B, T] (and the entropy; and with `correct` 1.0 where the greedy argmax
+  is the target) under the logits of hidden [B, T, D], computed
   `cfg.logits_chunk` positions of every row at a time so that no [B, T, V] array is live.
 
   Each chunk runs under jax.checkpoint (nothing saved): the backward recomputes its logits, one
@@ -474,7 +480,9 @@ def _next_token_stats(
   def stats(h, tgt):
     logits = model.logits(h)
     lp = token_logprobs(logits, tgt, temperature)
-    return lp, (jax.lax.stop_gradient(token_entropy(logits, temperature)) if entropy else None)
+    ent = jax.lax.stop_gradient(token_entropy(logits, temperature)) if entropy else None
+    hit = (jnp.argmax(logits, axis=-1) == tgt).astype(jnp.float32) if correct else None
+    return lp, ent, hit
 
   b, t, d = hidden.shape
   chunk = model.cfg.logits_chunk
@@ -509,14 +517,28 @@ def score_and_entropy(
   # Position t predicts token t + 1; the last position predicts nothing (its target is a dummy
   # and its outputs are dropped), so chunks run over all T positions.
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-  lp, ent = _next_token_stats(model, hidden, targets, temperature, entropy)
+  lp, ent, _ = _next_token_stats(model, hidden, targets, temperature, entropy)
+  return _align(lp, segment_ids), (None if ent is None else _align(ent, segment_ids))
+
+
+def _align(x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  """Stats of position t's prediction moved to the token it predicts (t + 1), 0 where nothing
+  of the same segment predicts a token."""
   same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+  x = jnp.where(same, x[:, :-1], 0.0)
+  return jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
 
-  def align(x: jax.Array) -> jax.Array:
-    x = jnp.where(same, x[:, :-1], 0.0)
-    return jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
 
-  return align(lp), (None if ent is None else align(ent))
+def score_and_correct(
+  model: Transformer, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Per-token logprobs (temperature 1) and greedy hits (1.0 where the argmax of the logits
+  predicting a token is that token), aligned as in `score`; over chunks of positions, so SFT's
+  loss and accuracy hold no [rows, T, V] logits either."""
+  hidden = model.hidden_states(tokens, positions, segment_ids)
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+  lp, _, hit = _next_token_stats(model, hidden, targets, 1.0, False, correct=True)
+  return _align(lp, segment_ids), _align(hit, segment_ids)
 
 
 def score(

@@ -38,7 +38,7 @@ from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer, abstract_li
 from asearcher_jax.metric_writer import MetricWriter
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model import steps
-from asearcher_jax.model.transformer import Transformer, token_logprobs
+from asearcher_jax.model.transformer import Transformer, score_and_correct
 from asearcher_jax.sft import data as data_lib
 
 log = logging.getLogger(__name__)
@@ -107,12 +107,12 @@ def masked_token_stats(
   segment, so a segment's first token and padding never count."""
   model: Transformer = nnx.merge(graphdef, params)
   tokens, seg = batch["tokens"], batch["segment_ids"]
-  logits = model(tokens, batch["positions"], seg)[:, :-1]
-  target = tokens[:, 1:]
-  lp = token_logprobs(logits, target)
+  # Logits over chunks of positions (ModelConfig.logits_chunk), aligned with the tokens they
+  # predict: a segment's first token and padding score 0 and are masked out here.
+  lp, correct = score_and_correct(model, tokens, batch["positions"], seg)
+  lp, correct = lp[:, 1:], correct[:, 1:]
   valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
   mask = jnp.where(valid, batch["loss_mask"][:, 1:].astype(jnp.float32), 0.0)
-  correct = (jnp.argmax(logits, axis=-1) == target).astype(jnp.float32)
   return {"nll": -(lp * mask).sum(), "correct": (correct * mask).sum(), "tokens": mask.sum()}
 
 
