@@ -438,8 +438,11 @@ class Driver:
       slots, rows = [s for s, _ in plan.live], None
       try:
         if k > 1:
+          # Budgets clipped to the plan's steps: the call runs no more steps than its window
+          # (max_length) and its pages (paged) were sized for.
           self._table.state, result, rows = self.engine.generate_chunk(
-            self._params, self._table.state, slots, [plan.budget[s] for s in slots],
+            self._params, self._table.state, slots,
+            [min(plan.budget[s], plan.steps) for s in slots],
             [r.stop_ids for _, r in plan.live], max_length=plan.max_length, mode=mode,
             top_n=top_n,
           )  # fmt: skip
