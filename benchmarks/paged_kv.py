@@ -30,15 +30,14 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))  # decode.py's workload code, beside this file
 
+import decode as bench
 import jax
 from flax import nnx
 
-import decode as bench
 from asearcher_jax.model import presets, transformer
 from asearcher_jax.serving.driver import Driver
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.serving.pages import SlotPages
-from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
 
 REPS = 3
