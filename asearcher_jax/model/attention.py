@@ -8,7 +8,8 @@ Training and scoring run packed rows: causal attention that never crosses a segm
     JAX, any backend; memory linear in T;
   * "splash": the Pallas TPU splash-attention kernel that ships with JAX.
 "auto" picks one for the target platform (`resolve_attention`). The serving path
-(`Transformer.extend`) attends a KV cache under an explicit mask (`attend_blocked`).
+(`Transformer.extend`) attends a KV cache under an explicit mask (`attend_blocked`), a fixed one
+or a paged one (`paged_attention`, the pure-JAX gather reference of a ragged paged kernel).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from asearcher_jax.model import kv_cache
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ATTENTION_CHOICES, ModelConfig
 
@@ -113,6 +115,30 @@ def attend_blocked(
     sl = slice(i, min(i + block, t))
     outs.append(attend(q[:, sl], k, v, mask[:, sl]))
   return jnp.concatenate(outs, axis=1)
+
+
+def paged_attention(
+  q: jax.Array,
+  k_pages: jax.Array,
+  v_pages: jax.Array,
+  table: jax.Array,
+  positions: jax.Array,
+  attend_len: int,
+  block: int,
+  *,
+  causal: bool = False,
+) -> jax.Array:
+  """Attention of queries q [B, T, H, hd] at positions [B, T] over each row's own pages: table
+  [B, n] (n * page_size >= attend_len) names the pages holding the row's positions 0, 1, ...;
+  query t sees the keys at positions <= positions[b, t] (its own length) and nothing beyond.
+
+  The reference: the row's pages are gathered end to end into the [B, attend_len] layout a
+  fixed cache has and attended exactly as `attend_blocked` does, so both layouts give the same
+  numbers. Pools are [num_pages, page_size, K, hd] (`kv_cache.PagedKVCache`)."""
+  keys = kv_cache.paged_gather(k_pages, table)[:, :attend_len].astype(q.dtype)
+  values = kv_cache.paged_gather(v_pages, table)[:, :attend_len].astype(q.dtype)
+  mask = jnp.arange(attend_len)[None, None, :] <= positions[:, :, None]
+  return attend_blocked(q, keys, values, mask, block, causal=causal)
 
 
 def _pad_rows(

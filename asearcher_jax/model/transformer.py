@@ -12,17 +12,27 @@ head grouping) so that checkpoints load with matching logits.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from asearcher_jax.model import attention as attention_lib
+from asearcher_jax.model import kv_cache as kv_lib
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.kv_cache import KVCache, write, write_rows
+from asearcher_jax.model.kv_cache import KVCache, PagedKVCache, write, write_rows
 
 RopeTables = tuple[jax.Array, jax.Array]  # cos, sin: [B, T, 1, head_dim / 2], float32
+
+
+class PageView(NamedTuple):
+  """Where one forward over a paged cache writes and reads, computed once for every layer."""
+
+  write_page: jax.Array  # [B, T] page of each new token's keys/values (the null page: dropped)
+  write_offset: jax.Array  # [B, T]
+  read_table: jax.Array  # [B, n] the pages that hold each row's first n * page_size positions
 
 
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -134,11 +144,19 @@ class Attention(nnx.Module):
     attend_len: int | None = None,
     rows: jax.Array | None = None,
     fresh: bool = False,
+    pages: PageView | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q, k, v = self._qkv(x, rope)
     # Only the first attend_len cache positions are read (the caller guarantees every row's
     # keys live there): decode cost follows the live context, not the cache size.
     n = k_buf.shape[1] if attend_len is None else attend_len
+    if pages is not None:  # k_buf, v_buf are page pools: scatter the new keys, attend the row's
+      k_buf = kv_lib.paged_write(k_buf, k, pages.write_page, pages.write_offset)
+      v_buf = kv_lib.paged_write(v_buf, v, pages.write_page, pages.write_offset)
+      out = attention_lib.paged_attention(
+        q, k_buf, v_buf, pages.read_table, positions, n, self.cfg.attention_block, causal=fresh
+      )
+      return self.o_proj(out.reshape(x.shape[0], x.shape[1], -1)), k_buf, v_buf
     if rows is None:
       k_buf, v_buf = write(k_buf, k, start), write(v_buf, v, start)
       keys, values = k_buf[:, :n], v_buf[:, :n]
@@ -182,11 +200,13 @@ class DecoderLayer(nnx.Module):
     return sharding_lib.constrain(x, ("batch", "length", "act_embed"))
 
   def extend(
-    self, x, rope, positions, start, k_buf, v_buf, attend_len=None, rows=None, fresh=False
-  ):
+    self, x, rope, positions, start, k_buf, v_buf, attend_len=None, rows=None, fresh=False,
+    pages=None,
+  ):  # fmt: skip
     h, k_buf, v_buf = self.self_attn.extend(
-      self.input_layernorm(x), rope, positions, start, k_buf, v_buf, attend_len, rows, fresh
-    )
+      self.input_layernorm(x), rope, positions, start, k_buf, v_buf, attend_len, rows, fresh,
+      pages,
+    )  # fmt: skip
     x = x + h
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, k_buf, v_buf
@@ -373,13 +393,14 @@ class Transformer(nnx.Module):
     self,
     tokens: jax.Array,
     start: jax.Array,
-    cache: KVCache,
+    cache: KVCache | PagedKVCache,
     attend_len: int | None = None,
     *,
     return_hidden: bool = False,
     rows: jax.Array | None = None,
     fresh: bool = False,
-  ) -> tuple[jax.Array, KVCache]:
+    write_len: jax.Array | None = None,
+  ) -> tuple[jax.Array, KVCache | PagedKVCache]:
     """Appends tokens [B, T] at per-row offsets start [B]; returns logits [B, T, V] and the cache.
 
     Prefill is `extend(prompt, zeros, cache)`; one decode step is `extend(next[:, None], lengths,
@@ -390,21 +411,36 @@ class Transformer(nnx.Module):
     a large cache; by default token row i is cache row i. fresh=True promises start == 0 and a
     cache of exactly T positions (a prefill), letting attention skip the keys a query block
     cannot see. Queries run in blocks of `attention_block` either way, bounding memory.
+
+    A `PagedKVCache` is read and written through its page table (row i is table row rows[i], or
+    i): the same keys at the same positions, so the same outputs as a fixed cache. write_len [B]
+    (paged only) keeps the keys/values of each row's first write_len tokens and drops the rest
+    (padding; 0 for a row whose positions are cached already or that only rides along).
     """
     if self.stacked_layers is not None:
       raise ValueError("extend runs over layers stored one module each: unstack() first")
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     x = self.embed(tokens)
     rope = self.rope(positions)
+    view = None
+    if isinstance(cache, PagedKVCache):
+      table = cache.page_table if rows is None else cache.page_table[rows]
+      n = attend_len = cache.max_len if attend_len is None else attend_len
+      valid = jnp.ones(positions.shape, bool)
+      if write_len is not None:
+        valid = jnp.arange(tokens.shape[1])[None, :] < write_len[:, None]
+      page, offset = kv_lib.page_coordinates(table, positions, valid, cache.page_size)
+      view = PageView(page, offset, table[:, : -(-n // cache.page_size)])
+      rows = None  # the table rows already select the pages
     ks, vs = [], []
     for layer, k_buf, v_buf in zip(self.layers, cache.k, cache.v, strict=True):
       x, k_buf, v_buf = layer.extend(
-        x, rope, positions, start, k_buf, v_buf, attend_len, rows, fresh
+        x, rope, positions, start, k_buf, v_buf, attend_len, rows, fresh, view
       )
       ks.append(k_buf)
       vs.append(v_buf)
     out = x if return_hidden else self.logits(x)
-    return out, KVCache(k=tuple(ks), v=tuple(vs))
+    return out, cache.replace(k=tuple(ks), v=tuple(vs))
 
 
 def stack_params(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:

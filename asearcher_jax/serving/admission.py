@@ -21,6 +21,7 @@ import numpy as np
 
 from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine import Engine
+from asearcher_jax.serving.pages import SlotPages
 from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.request import Request
 from asearcher_jax.serving.types import EngineError, StopReason
@@ -42,6 +43,9 @@ class SlotTable:
   state: steps.DecodeState  # the engine's decode state: every slot's keys/values and position
   slots: list[Request | None]  # the request decoding in each slot, or None
   prefixes: PrefixCache  # parked slots and the tokens their keys/values hold
+  # Paged layout: every slot's pages and the block cache (pages.py); None for a fixed cache,
+  # whose slots are parked in `prefixes` instead.
+  pages: SlotPages | None = None
   # Slots being prefilled piece by piece (DriverConfig.prefill_chunk): slot -> (request, done).
   prefilling: dict[int, tuple[Request, int]] = dataclasses.field(default_factory=dict)
 
@@ -72,6 +76,8 @@ class AdmissionHooks:
   finish: Callable[..., None]
   # Fails every request holding a slot with the error (after an engine failure).
   fail_active: Callable[[Exception], None]
+  # Puts requests back at the front of the queue, in order (paged: no pages for them yet).
+  requeue: Callable[[list[Request]], None]
 
 
 class Admission:

@@ -53,6 +53,8 @@ from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.admission import Admission, AdmissionHooks, SlotTable
 from asearcher_jax.serving.decode_calls import InFlight, plan_call, read_back
 from asearcher_jax.serving.engine import Engine
+from asearcher_jax.serving.paged_admission import PagedAdmission
+from asearcher_jax.serving.pages import SlotPages
 from asearcher_jax.serving.prefix_cache import PrefixCache
 from asearcher_jax.serving.request import Request
 from asearcher_jax.serving.sampling import mode_for
@@ -71,7 +73,7 @@ KV_ON_UPDATE = ("recompute", "keep")
 CUMULATIVE_STATS = (
   "compile_s", "prefill_s", "update_s", "decode_s", "reprefill_tokens", "prefill_tokens",
   "suffix_prefill_s", "suffix_prefill_calls", "prefill_calls", "prefix_hits",
-  "prefix_tokens_reused", "prefix_evictions", "decode_continuations",
+  "prefix_tokens_reused", "prefix_evictions", "decode_continuations", "preemptions",
 )  # fmt: skip
 
 
@@ -91,7 +93,8 @@ class DriverConfig:
     but the last) and admit a later request whose prompt starts with exactly that sequence (an
     agent's next turn) into it by prefilling only the new suffix. Parked slots are reclaimed
     least recently used first when no free slot is left, and dropped on a weight update
-    (unless kv_on_update="keep").
+    (unless kv_on_update="keep"). With a paged engine the slot is freed and its full pages are
+    cached instead, mapped by any later request that starts with them (paged_admission.py).
   kv_on_update: what a weight update does to keys/values computed by the old weights.
     "recompute" (AReaL): re-prefill every in-flight slot under the new weights and forget the
     parked prefixes, so every later token is sampled from exactly the new policy. "keep"
@@ -163,9 +166,11 @@ class Driver:
         f"buckets {engine.cfg.extend_buckets} (EngineConfig.suffix_buckets / prefill_buckets)"
       )
     # Decode state, live, parked and half-prefilled slots: engine thread only.
+    paged = engine.paged
     self._table = SlotTable(
-      state=state, slots=slots, prefixes=PrefixCache(enabled=cfg.prefix_reuse)
-    )
+      state=state, slots=slots, prefixes=PrefixCache(enabled=cfg.prefix_reuse and not paged),
+      pages=self._new_pages() if paged else None,
+    )  # fmt: skip
     self._in_flight: InFlight | None = None  # engine thread only
     self._lock = threading.Lock()  # guards _queue, _by_id
     self._queue: collections.deque[Request] = collections.deque()
@@ -179,9 +184,10 @@ class Driver:
     self._ids = itertools.count()
     self.metrics = collections.Counter()
     hooks = AdmissionHooks(
-      take=self._take, record=self._append, finish=self._finish, fail_active=self._fail_active
-    )
-    self._admission = Admission(
+      take=self._take, record=self._append, finish=self._finish, fail_active=self._fail_active,
+      requeue=self._requeue,
+    )  # fmt: skip
+    self._admission = (PagedAdmission if paged else Admission)(
       engine, self._table, self.metrics, hooks, max_admit=cfg.max_admit_per_step,
       prefill_chunk=cfg.prefill_chunk, continue_in_decode=cfg.continue_in_decode,
     )  # fmt: skip
@@ -190,6 +196,13 @@ class Driver:
     self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
     self._thread.start()
     self._thread_began.wait(10.0)  # its compile count starts at zero before stats() can read it
+
+  def _new_pages(self) -> SlotPages:
+    ec = self.engine.cfg
+    return SlotPages(
+      slots=ec.max_slots, num_pages=ec.pool_pages, page_size=ec.page_size,
+      pages_per_seq=ec.pages_per_seq, reuse=self.cfg.prefix_reuse,
+    )  # fmt: skip
 
   # --- public API (any thread / any event loop) -----------------------------------------------
 
@@ -343,6 +356,20 @@ class Driver:
       "prefill_tokens": self.metrics["prefill_tokens"],
       "prefix_evictions": self.metrics["prefix_evictions"],
       "learner_yield_s": self.metrics["yield_s"],
+      # Paged layout: sequences preempted when the page pool ran out (re-prefilled later), and
+      # the pool's pages in use (mapped or cached), free, and cached by the block cache.
+      "preemptions": self.metrics["preemptions"],
+      **self._page_stats(),
+    }
+
+  def _page_stats(self) -> dict[str, int]:
+    pages = self._table.pages
+    if pages is None:
+      return {}
+    return {
+      "pages_used": pages.allocator.used,
+      "pages_free": pages.allocator.free_count,
+      "pages_cached": len(pages.blocks),
     }
 
   def close(self, timeout: float = 30.0) -> None:
@@ -409,7 +436,10 @@ class Driver:
         # Pieces prefilled under the old weights are done again under the new ones.
         table.prefilling = {slot: (req, 0) for slot, (req, _) in table.prefilling.items()}
         live = [(slot, req) for slot, req in enumerate(table.slots) if req is not None]
-        if self.cfg.batch_reprefill:
+        if table.pages is not None:
+          table.pages.blocks.clear()
+          self._admission.reprefill_live(self._params, live)
+        elif self.cfg.batch_reprefill:
           self._admission.reprefill_many(self._params, live)
         else:
           for slot, req in live:
@@ -434,6 +464,8 @@ class Driver:
     for slot, (req, _) in list(self._table.prefilling.items()):
       if req.aborted:  # its slot holds part of a prompt: freed, not parked
         del self._table.prefilling[slot]
+        if self._table.pages is not None:
+          self._admission.unmap(slot)
         self._finish(req, "abort")
     with self._lock:
       aborted = [r for r in self._queue if r.aborted]
@@ -450,14 +482,19 @@ class Driver:
     with self._lock:
       waiting = bool(self._queue)
     plan = plan_call(self._slots, previous, k, waiting=waiting)
+    if self._table.pages is not None:
+      plan = self._ensure_pages(plan, previous, k, waiting)
     if plan.live:
       mode = mode_for(r.sampling for _, r in plan.live)
       top_n = steps.TOP_N if any(r.sampling.top_logprobs for _, r in plan.live) else 0  # RL: 0
       slots, rows = [s for s, _ in plan.live], None
       try:
         if k > 1:
+          # Budgets clipped to the plan's steps: the call runs no more steps than its window
+          # (max_length) and its pages (paged) were sized for.
           self._table.state, result, rows = self.engine.generate_chunk(
-            self._params, self._table.state, slots, [plan.budget[s] for s in slots],
+            self._params, self._table.state, slots,
+            [min(plan.budget[s], plan.steps) for s in slots],
             [r.stop_ids for _, r in plan.live], max_length=plan.max_length, mode=mode,
             top_n=top_n,
           )  # fmt: skip
@@ -475,6 +512,35 @@ class Driver:
     if previous is not None:
       self._collect(previous)
     self.metrics["decode_s"] += time.perf_counter() - t0
+
+  def _ensure_pages(self, plan, previous: InFlight | None, k: int, waiting: bool):
+    """Maps the pages every live slot writes in the next call; when the pool runs out, preempts
+    the youngest sequence (latest submitted) and plans again. Returns the plan to dispatch."""
+    pages = self._table.pages
+    while True:
+      short = False
+      for s, _ in plan.live:
+        end = plan.length[s] + min(plan.steps, max(plan.budget[s], 1)) - 1
+        if not pages.grow(s, end):
+          short = True
+          break
+      if not short:
+        self._admission.sync_pages()
+        return plan
+      live = [r for r in self._slots if r is not None]
+      if len(live) <= 1:
+        raise EngineError("the page pool cannot hold one sequence")  # config prevents it
+      victim = max(live, key=lambda r: r.submitted)
+      self._preempt(victim.slot, victim)
+      plan = plan_call(self._slots, previous, k, waiting=True)
+
+  def _preempt(self, slot: int, req: Request) -> None:
+    """Frees a live sequence's pages (its full blocks stay cached while nobody needs the room)
+    and queues it first, to be prefilled again from prompt + tokens (paged_admission.py)."""
+    self._slots[slot] = None
+    self._admission.park(slot, req)
+    self._requeue([req])
+    self.metrics["preemptions"] += 1
 
   def _drain(self) -> None:
     """Reads back and records the step in flight, if any (before anything that needs every
@@ -523,6 +589,8 @@ class Driver:
   def _fail_active(self, error: Exception) -> None:
     self._in_flight = None  # its tokens belong to the requests failed here
     self._table.prefixes.clear()  # their keys/values may be lost with the decode state
+    if self._table.pages is not None:  # the decode state was rebuilt: its table maps nothing
+      self._table.pages = self._new_pages()
     prefilling, self._table.prefilling = self._table.prefilling, {}
     for req, _ in prefilling.values():
       self._finish(req, error=error)
@@ -530,6 +598,11 @@ class Driver:
       if req is not None:
         self._slots[slot] = None
         self._finish(req, error=error)
+
+  def _requeue(self, reqs: list[Request]) -> None:
+    """Puts requests back at the front of the queue, in order (`AdmissionHooks.requeue`)."""
+    with self._lock:
+      self._queue.extendleft(reversed(reqs))
 
   def _take(self, n: int) -> list[Request]:
     """Pops up to n queued requests, oldest first (admission's `AdmissionHooks.take`)."""

@@ -26,7 +26,7 @@ from flax import nnx
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.kv_cache import KVCache
+from asearcher_jax.model.kv_cache import KVCache, PagedKVCache
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine_steps import DecodeState, Prefix, VersionedParams
@@ -68,6 +68,14 @@ class EngineConfig:
     shape. (1,), the default, is one call per slot: batching paid in isolation but agents' turns
     rarely arrive together and warm-up grew ~1.5x (docs/measurements.md, "Prefills").
   mesh: the engine's devices (tensor parallelism over heads, MLP and KV cache; see mesh.py).
+  kv_layout: how keys/values are stored. "fixed": every slot reserves max_seq_len positions
+    ([slots, max_seq_len] per layer). "paged": a pool of `num_pages` pages of `page_size`
+    positions per layer and a page table per slot; a sequence holds only the pages its length
+    needs, full pages of equal prefixes are shared (a group's prompt once, an episode's earlier
+    turns), and the driver preempts the youngest sequences when the pool runs out (pages.py).
+  page_size: positions per page ("paged"); max_seq_len must be a multiple of it.
+  num_pages: pages in the pool, page 0 reserved as the null page ("paged"); 0: the fixed
+    layout's memory, max_slots * max_seq_len / page_size, plus the null page.
   """
 
   max_slots: int = 8
@@ -79,6 +87,9 @@ class EngineConfig:
   decode_loop: Literal["while", "fixed", "unrolled"] = "while"
   suffix_batch: tuple[int, ...] = (1,)
   mesh: ServingMeshConfig = dataclasses.field(default_factory=ServingMeshConfig)
+  kv_layout: Literal["fixed", "paged"] = "fixed"
+  page_size: int = 16
+  num_pages: int = 0
 
   def __post_init__(self):
     if self.max_slots < 1 or self.max_seq_len < 2:
@@ -89,6 +100,26 @@ class EngineConfig:
       raise ValueError(f"decode_loop must be while, fixed or unrolled, got {self.decode_loop!r}")
     if 1 not in self.suffix_batch or min(self.suffix_batch) < 1:
       raise ValueError(f"suffix_batch must contain 1 and no size below 1, got {self.suffix_batch}")
+    if self.kv_layout not in ("fixed", "paged"):
+      raise ValueError(f"EngineConfig.kv_layout must be fixed or paged, got {self.kv_layout!r}")
+    if self.page_size < 1 or self.max_seq_len % self.page_size:
+      raise ValueError(
+        f"EngineConfig.page_size={self.page_size} must divide max_seq_len={self.max_seq_len}"
+      )
+    if self.kv_layout == "paged" and self.pool_pages - 1 < self.pages_per_seq:
+      raise ValueError(
+        f"EngineConfig.num_pages={self.num_pages} cannot hold one max_seq_len sequence "
+        f"({self.pages_per_seq} pages plus the null page)"
+      )
+
+  @property
+  def pages_per_seq(self) -> int:
+    return self.max_seq_len // self.page_size
+
+  @property
+  def pool_pages(self) -> int:
+    """Pages in the pool, the null page included (`num_pages`, or the fixed layout's memory)."""
+    return self.num_pages or self.max_slots * self.pages_per_seq + 1
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -178,17 +209,17 @@ class Engine(EngineContract):
       state = self.activate_slot(state, 0, 1, 1, sampling=SamplingParams())
       for sb in self.cfg.extend_buckets:
         for window in self.cfg.buckets:
-          if window < sb:
+          if window < sb and not self.paged:  # a paged suffix's padding may pass its window
             continue
           for mode in modes:
             sp = SamplingParams(temperature=0.0 if mode == "greedy" else 1.0)
             state, *_ = self.extend_slot(
-              params, state, 0, [1], window - sb, sampling=sp, bucket=sb, window=window
+              params, state, 0, [1], max(window - sb, 0), sampling=sp, bucket=sb, window=window
             )
             for k in self.cfg.suffix_chunks:
               if k > 1:
                 state, *_ = self.extend_slots(
-                  params, state, list(range(k)), [[1]] * k, [window - sb] * k,
+                  params, state, list(range(k)), [[1]] * k, [max(window - sb, 0)] * k,
                   samplings=[sp] * k, seeds=list(range(k)), bucket=sb, window=window,
                 )  # fmt: skip
     for window in self.cfg.buckets:
@@ -221,6 +252,16 @@ class Engine(EngineContract):
   @property
   def _replicated(self) -> jax.sharding.NamedSharding:
     return replicated(self._mesh)
+
+  @property
+  def paged(self) -> bool:
+    return self.cfg.kv_layout == "paged"
+
+  def set_page_table(self, decode_state: DecodeState, table: np.ndarray) -> DecodeState:
+    """The decode state with the host's page table ([slots, pages_per_seq] int32; pages.py):
+    the pages every later call reads and writes. Calls dispatched earlier keep the old one."""
+    table = jax.device_put(np.asarray(table, np.int32), self._replicated)
+    return decode_state.replace(cache=decode_state.cache.replace(page_table=table))
 
   def bucket_for(self, length: int) -> int:
     buckets = self.cfg.buckets
@@ -406,12 +447,16 @@ class Engine(EngineContract):
     start = min(cached, prompt_len - 1)
     buckets = self.cfg.extend_buckets
     sb = buckets[bisect.bisect_left(buckets, prompt_len - start)]
+    if self.paged:  # padding writes nowhere: start stays, the window holds the real tokens
+      return start, sb, self.bucket_for(prompt_len)
     start = min(start, self.cfg.max_seq_len - sb)
     return start, sb, self.bucket_for(start + sb)
 
   def _check_suffix(self, start: int, n: int, bucket: int, window: int) -> None:
-    """A suffix of n tokens at `start` must fit its bucket, and the bucket its window and cache."""
-    if n < 1 or n > bucket or start + bucket > window or window > self.cfg.max_seq_len:
+    """A suffix of n tokens at `start` must fit its bucket, and the bucket its window and cache
+    (paged: the real tokens must fit the window; padding writes nowhere)."""
+    end = start + (n if self.paged else bucket)
+    if n < 1 or n > bucket or end > window or window > self.cfg.max_seq_len:
       raise ValueError(f"bad suffix prefill: start={start} n={n} bucket={bucket} window={window}")
 
   def extend_slot(
@@ -426,15 +471,24 @@ class Engine(EngineContract):
     seed: int = 0,
     bucket: int | None = None,
     window: int | None = None,
+    write: bool = True,
   ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """Prefills `suffix` into `slot` at offset `start` on top of the keys/values already there
     (positions < start) and activates the slot, like insert(prefill(prefix + suffix)) but paying
     only for the suffix. Returns (state, first token, its logprob, version, (top alternative ids,
-    their logprobs): `steps.TOP_N` of them when sampling asks for top logprobs) on device."""
+    their logprobs): `steps.TOP_N` of them when sampling asks for top logprobs) on device.
+    write=False (paged): the suffix's keys/values are cached already, in pages other slots may
+    share; they are attended, not written."""
     n = len(suffix)
     if bucket is None:
       _, bucket, window = self.extend_plan(start, start + n)
     self._check_suffix(start, n, bucket, window)
+    if self.paged:
+      state, tok, lp, version, top = self.extend_slots(
+        params, decode_state, [slot], [suffix], [start], samplings=[sampling], seeds=[seed],
+        bucket=bucket, window=window, writes=[write],
+      )  # fmt: skip
+      return state, tok[0], lp[0], version, (top[0][0], top[1][0])
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :n] = suffix
     key = jax.random.PRNGKey(seed)
@@ -473,11 +527,13 @@ class Engine(EngineContract):
     seeds: Sequence[int],
     bucket: int,
     window: int,
+    writes: Sequence[bool] | None = None,
   ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """`extend_slot` for several distinct slots in one call, every suffix padded to one `bucket`
     and attending over one `window` (at least each row's start + bucket). Returns (state, first
     tokens [k], their logprobs [k], version, (top ids [k, n], their logprobs [k, n])) on device;
-    row i is exactly what `extend_slot` gives slots[i] alone (same keys, positions and mode)."""
+    row i is exactly what `extend_slot` gives slots[i] alone (same keys, positions and mode).
+    writes: per slot, `extend_slot`'s write (paged; default all True)."""
     k = len(slots)
     if not k == len(suffixes) == len(starts) == len(samplings) == len(seeds) or len(set(slots)) < k:
       raise ValueError(f"bad batched suffix prefill: slots {list(slots)}, {len(suffixes)} suffixes")
@@ -495,6 +551,14 @@ class Engine(EngineContract):
     slots_ = jnp.asarray(slots, jnp.int32)
     starts_ = np.asarray(starts, np.int32)
     lengths = np.asarray([len(x) for x in suffixes], np.int32)
+    top_n = steps.TOP_N if any(s.top_logprobs for s in samplings) else 0
+    if self.paged:
+      write_lengths = lengths * np.asarray(writes or [True] * k, np.int32)
+      return steps.EXTEND_PAGED(
+        self._graphdef, window, mode_for(samplings), params, decode_state, slots_,
+        jnp.asarray(padded), jnp.asarray(starts_), jnp.asarray(lengths),
+        jnp.asarray(write_lengths), samp, top_n=top_n,
+      )  # fmt: skip
     rows, tok, lp, version, top = steps.EXTEND_ROWS(
       self._graphdef, window, mode_for(samplings), params, decode_state.cache, slots_,
       jnp.asarray(padded), jnp.asarray(starts_), jnp.asarray(lengths), samp,
@@ -544,19 +608,30 @@ class Engine(EngineContract):
                   top_k=rep, top_ids=rep, top_logprobs=rep)  # fmt: skip
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
-    """An empty decode state, created in place on the mesh: the KV cache split by KV heads
-    (no full copy on one device first), the per-slot arrays replicated."""
-    make = functools.partial(_empty_state, self.model_cfg, self.cfg.max_slots, self.cfg.max_seq_len)
+    """An empty decode state, created in place on the mesh: the KV cache (or page pools) split
+    by KV heads (no full copy on one device first), the per-slot arrays (and a page table that
+    maps nothing) replicated."""
+    make = functools.partial(_empty_state, self.model_cfg, self.cfg)
     abstract = jax.eval_shape(make)
     shardings = jax.tree.map(lambda _: self._replicated, abstract)
     kv = cache_sharding(self._mesh, self._rules, abstract.cache.k[0].shape)
-    cache = KVCache(k=(kv,) * len(abstract.cache.k), v=(kv,) * len(abstract.cache.v))
+    cache = shardings.cache.replace(
+      k=(kv,) * len(abstract.cache.k), v=(kv,) * len(abstract.cache.v)
+    )
     return jax.jit(make, out_shardings=shardings.replace(cache=cache))()
 
 
-def _empty_state(model_cfg: ModelConfig, s: int, max_len: int) -> DecodeState:
+def _empty_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DecodeState:
+  s = cfg.max_slots
+  if cfg.kv_layout == "paged":
+    cache = PagedKVCache.init(
+      model_cfg, slots=s, num_pages=cfg.pool_pages, page_size=cfg.page_size,
+      pages_per_seq=cfg.pages_per_seq,
+    )  # fmt: skip
+  else:
+    cache = KVCache.init(model_cfg, batch=s, max_len=cfg.max_seq_len)
   return DecodeState(
-    cache=KVCache.init(model_cfg, batch=s, max_len=max_len),
+    cache=cache,
     lengths=jnp.zeros((s,), jnp.int32),
     next_tokens=jnp.zeros((s,), jnp.int32),
     keys=jnp.zeros((s, 2), jnp.uint32),

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from asearcher_jax.model.kv_cache import KVCache
+from asearcher_jax.model import kv_cache as kv_lib
+from asearcher_jax.model.kv_cache import KVCache, PagedKVCache
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving.jetstream import engine_api
 from asearcher_jax.serving.sampling import SamplingMode, sample
@@ -82,7 +83,9 @@ class Prefix:
 
 @flax.struct.dataclass
 class DecodeState:
-  cache: KVCache  # [slots, max_seq_len, ...]
+  # [slots, max_seq_len, ...] (EngineConfig.kv_layout "fixed"), or page pools and a page table
+  # [slots, pages_per_seq] that the driver's host tables (pages.py) keep up to date ("paged").
+  cache: KVCache | PagedKVCache
   lengths: jax.Array  # [S] tokens in each slot's cache = position of the token fed next
   next_tokens: jax.Array  # [S] sampled but not yet in the cache
   keys: jax.Array  # [S, 2]
@@ -91,7 +94,8 @@ class DecodeState:
   top_k: jax.Array  # [S]
   # [S] bool: slot holds a request being decoded. Inactive slots (empty, or parked by the
   # driver's prefix cache) still ride through every step, but write their throwaway key/value at
-  # the last cache position, which no reusable prefix ever covers, and keep their length.
+  # the last cache position, which no reusable prefix ever covers (paged: nowhere, the null
+  # page), and keep their length.
   active: jax.Array
 
 
@@ -115,14 +119,29 @@ def _prefill(graphdef, mode: SamplingMode, params: VersionedParams, tokens, true
                 top_k=top_k, top_ids=top_ids[0], top_logprobs=top_lps[0])  # fmt: skip
 
 
-def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+def _put_prefix(cache: KVCache | PagedKVCache, prefix: KVCache, slot, true_length):
+  """A prefilled row [1, bucket] into a slot: the whole row (fixed), or its first true_length
+  positions into the pages the slot's table maps (paged; padding is dropped)."""
+  if isinstance(cache, PagedKVCache):
+    positions = jnp.arange(prefix.max_len)[None]
+    table = jax.lax.dynamic_slice_in_dim(cache.page_table, slot, 1, axis=0)
+    page, off = kv_lib.page_coordinates(table, positions, positions < true_length, cache.page_size)
+    return cache.replace(
+      k=tuple(kv_lib.paged_write(b, n, page, off) for b, n in zip(cache.k, prefix.k, strict=True)),
+      v=tuple(kv_lib.paged_write(b, n, page, off) for b, n in zip(cache.v, prefix.v, strict=True)),
+    )
+
   def put(buf, new):
     return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))
 
-  cache = KVCache(
-    k=tuple(put(b, n) for b, n in zip(state.cache.k, prefix.cache.k, strict=True)),
-    v=tuple(put(b, n) for b, n in zip(state.cache.v, prefix.cache.v, strict=True)),
+  return KVCache(
+    k=tuple(put(b, n) for b, n in zip(cache.k, prefix.k, strict=True)),
+    v=tuple(put(b, n) for b, n in zip(cache.v, prefix.v, strict=True)),
   )
+
+
+def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+  cache = _put_prefix(state.cache, prefix.cache, slot, prefix.true_length)
   return DecodeState(
     cache=cache,
     lengths=state.lengths.at[slot].set(prefix.true_length),
@@ -164,7 +183,10 @@ def _generate(
   # their queries attend the whole window and their samples are discarded.
   last = state.cache.max_len - 1
   start = jnp.where(state.active, jnp.minimum(state.lengths, attend_len - 1), last)
-  logits, cache = model.extend(state.next_tokens[:, None], start, state.cache, attend_len)
+  logits, cache = model.extend(
+    state.next_tokens[:, None], start, state.cache, attend_len,
+    write_len=state.active.astype(jnp.int32),
+  )  # fmt: skip
   tokens, logprobs = sample(
     logits[:, 0], state.keys, start, state.temperature, state.top_p, state.top_k, mode
   )
@@ -208,8 +230,9 @@ def _generate_rows(
   active = state.active[rows] & live
   start = jnp.where(active, jnp.minimum(state.lengths[rows], attend_len - 1), last)
   logits, cache = model.extend(
-    state.next_tokens[rows][:, None], start, state.cache, attend_len, rows=rows
-  )
+    state.next_tokens[rows][:, None], start, state.cache, attend_len, rows=rows,
+    write_len=active.astype(jnp.int32),
+  )  # fmt: skip
   tokens, logprobs = sample(
     logits[:, 0], state.keys[rows], start, state.temperature[rows], state.top_p[rows],
     state.top_k[rows], mode,
@@ -275,8 +298,9 @@ def _decode_chunk(graphdef, attend_len: int, mode: SamplingMode, max_steps: int,
     go = emitting(i, done)
     start = jnp.where(go, jnp.minimum(lengths, attend_len - 1), last)
     logits, cache = model.extend(
-      tok[:, None], start, cache, attend_len, rows=None if every else rows
-    )
+      tok[:, None], start, cache, attend_len, rows=None if every else rows,
+      write_len=go.astype(jnp.int32),
+    )  # fmt: skip
     new, lp = sample(logits[:, 0], keys, start, temp, top_p, top_k, mode)
     lengths = lengths + go.astype(jnp.int32)
     tok = jnp.where(go, new, tok)
@@ -402,6 +426,38 @@ def _put_rows(state: DecodeState, rows: KVCache, slots, lengths, tokens,
   return state
 
 
+def _extend_paged(graphdef, attend_len: int, mode: SamplingMode, params: VersionedParams,
+                  state: DecodeState, slots, tokens, starts, true_lengths, write_lengths,
+                  samp: RowSampling, *, top_n: int = 0):  # fmt: skip
+  """A suffix prefill of k slots over a paged cache, in place: tokens [k, bucket] (true_lengths
+  of them) at offsets starts attend the pages each slot's table maps, write the keys/values of
+  their first write_lengths tokens into them (0 where those positions are cached already, in
+  pages other slots share), sample each first token and activate the slots. No row copy is
+  needed (the write is a scatter into the donated pools), so one call does what `_extend_rows`
+  and `_put_rows` do for a fixed cache. Returns (state, tokens [k], logprobs [k], version, (top
+  ids [k, top_n], their logprobs))."""
+  model: Transformer = nnx.merge(graphdef, params.state)
+  hidden, cache = model.extend(
+    tokens, starts, state.cache, attend_len, return_hidden=True, rows=slots,
+    write_len=write_lengths,
+  )  # fmt: skip
+  h_last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)
+  last = model.logits(h_last)[:, 0]
+  pos = starts + true_lengths - 1
+  tok, lp = sample(last, samp.key, pos, samp.temperature, samp.top_p, samp.top_k, mode)
+  state = DecodeState(
+    cache=cache,
+    lengths=state.lengths.at[slots].set(starts + true_lengths),
+    next_tokens=state.next_tokens.at[slots].set(tok),
+    keys=state.keys.at[slots].set(samp.key),
+    temperature=state.temperature.at[slots].set(samp.temperature),
+    top_p=state.top_p.at[slots].set(samp.top_p),
+    top_k=state.top_k.at[slots].set(samp.top_k),
+    active=state.active.at[slots].set(True),
+  )
+  return state, tok, lp, params.version, _top(last, samp.temperature, top_n)
+
+
 def _release(state: DecodeState, slot) -> DecodeState:
   return state.replace(active=state.active.at[slot].set(False))
 
@@ -445,3 +501,6 @@ ACTIVATE = jax.jit(_activate, donate_argnums=0)
 EXTEND_ROWS = jax.jit(_extend_rows, static_argnums=(0, 1, 2), static_argnames="top_n")
 PUT_ROWS = jax.jit(_put_rows, donate_argnums=0)
 RELEASE = jax.jit(_release, donate_argnums=0)
+EXTEND_PAGED = jax.jit(
+  _extend_paged, static_argnums=(0, 1, 2), static_argnames="top_n", donate_argnums=4
+)

@@ -32,18 +32,31 @@ def tiny_model(seed: int = 0, **kw):
 BOTH_STEPS = pytest.mark.parametrize("make_driver", [1, 4], indirect=True, ids=["k1", "k4"])
 
 
+# KV layouts for tests that run on both (`EngineConfig.kv_layout`): the fixed-slot cache is the
+# oracle the paged one must equal. Paged tests use small pages, so sequences span several.
+BOTH_LAYOUTS = pytest.mark.parametrize("kv_layout", ["fixed", "paged"])
+TEST_PAGE_SIZE = 4
+
+
 @pytest.fixture
-def make_driver(tokenizer, request):
+def kv_layout() -> str:
+  """The layout make_driver builds unless a test asks for another (`BOTH_LAYOUTS`)."""
+  return "fixed"
+
+
+@pytest.fixture
+def make_driver(tokenizer, request, kv_layout):
   drivers = []
   default_steps = getattr(request, "param", 1)
 
   def make(model=None, *, slots=4, max_seq_len=64, buckets=(8, 16, 32), decode_rows=(8, 16),
-           decode_steps=None, suffix_batch=(1, 2, 4, 8), decode_loop="while",
-           **driver_kw):  # fmt: skip
+           decode_steps=None, suffix_batch=(1, 2, 4, 8), decode_loop="while", layout=None,
+           num_pages=0, **driver_kw):  # fmt: skip
     cfg = EngineConfig(
       max_slots=slots, max_seq_len=max_seq_len, prefill_buckets=buckets, decode_rows=decode_rows,
       decode_steps_per_call=decode_steps or default_steps, suffix_batch=suffix_batch,
-      decode_loop=decode_loop,
+      decode_loop=decode_loop, kv_layout=layout or kv_layout, page_size=TEST_PAGE_SIZE,
+      num_pages=num_pages,
     )  # fmt: skip
     engine = Engine.from_model(model or tiny_model(), tokenizer, cfg)
     d = Driver(engine, DriverConfig(**driver_kw))

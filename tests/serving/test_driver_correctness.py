@@ -12,7 +12,7 @@ from flax import nnx
 
 from asearcher_jax.model import transformer
 from asearcher_jax.serving.types import GenerationClient, SamplingParams
-from tests.serving.conftest import BOTH_STEPS, VOCAB, hold_driver, tiny_model
+from tests.serving.conftest import BOTH_LAYOUTS, BOTH_STEPS, VOCAB, hold_driver, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 NO_STOP: tuple[int, ...] = ()
@@ -78,6 +78,7 @@ PROMPTS = [
 
 
 @BOTH_STEPS
+@BOTH_LAYOUTS
 async def test_greedy_equals_full_forward_in_parallel_slots(make_driver):
   model = tiny_model(seed=1)
   driver = make_driver(model, slots=3)  # 4 prompts through 3 slots: one waits for a free slot
@@ -196,6 +197,7 @@ def test_gathered_step_leaves_other_slots_alone(tokenizer):
 
 
 @BOTH_STEPS
+@BOTH_LAYOUTS
 async def test_sampled_logprobs_equal_learner_and_seeds_reproduce(make_driver):
   model = tiny_model(seed=2)
   driver = make_driver(model, slots=4)
@@ -221,6 +223,7 @@ async def test_sampled_logprobs_equal_learner_and_seeds_reproduce(make_driver):
 
 
 @BOTH_STEPS
+@BOTH_LAYOUTS
 async def test_top_k_and_top_p_restrict_the_draw(make_driver):
   model = tiny_model(seed=3)
   driver = make_driver(model, slots=4)
@@ -265,6 +268,7 @@ async def swap_after(driver, new_model, n_before: int) -> None:
 
 @pytest.mark.slow
 @BOTH_STEPS
+@BOTH_LAYOUTS
 async def test_weight_swap_mid_generation(make_driver):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   # A long context: on a loaded machine the engine thread can run many decode calls between the
@@ -289,6 +293,7 @@ async def test_weight_swap_mid_generation(make_driver):
 
 
 @BOTH_STEPS
+@BOTH_LAYOUTS
 async def test_stop_strings_stay_in_output_and_stop_tokens(make_driver, tokenizer):
   model = tiny_model(seed=6)
   driver = make_driver(model, slots=2)
@@ -307,6 +312,7 @@ async def test_stop_strings_stay_in_output_and_stop_tokens(make_driver, tokenize
   assert res.tokens[-1] == free.tokens[2] and res.stop_reason == "stop"
 
 
+@BOTH_LAYOUTS
 async def test_bad_requests_are_clear_errors(make_driver):
   driver = make_driver(slots=2, max_seq_len=32)
   with pytest.raises(ValueError, match="does not fit the context"):
