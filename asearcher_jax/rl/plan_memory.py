@@ -111,9 +111,10 @@ class ServingShape:
   kv_dtype: str = "bfloat16"
   # Pages of the paged cache per replica (each `page_size` positions of every layer); None: the
   # fixed cache (slots x context reserved). Paged, `slots` is the most sequences decoding at once
-  # (the page table's rows).
+  # (the page table's rows). The TPU kernel keeps the [slots, context / page_size] int32 page
+  # table in SMEM (1 MiB on v5p): 512 slots x 32k need pages of 128 (64 overflowed it).
   pages: int | None = None
-  page_size: int = 64
+  page_size: int = 128
   # Serving replicas generating for the trainer (each one this shape).
   replicas: int = 1
   # Tokens of a group's prompt (shared by its n samples: prefilled and held once) and of each
