@@ -173,6 +173,7 @@ def _fixed_run(model, prompts, steps):
 PROMPTS = ([3, 17, 99, 4, 8], [120, 5], [7] * 11)
 
 
+@pytest.mark.slow
 def test_paged_step_mirrors_the_transformer_on_mixed_batches():
   from flax import nnx
 
