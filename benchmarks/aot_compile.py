@@ -14,6 +14,12 @@ Sequence length: 32,768 tokens a row for every recipe. The 7B and 14B recipes (a
 7B) bind ROW_LEN = 8192 today; they are compiled at 32,768 here, the length ASearcher's
 trajectories reach; QwQ-32B's recipe binds 32,768 itself.
 
+Serving: for the 7B and QwQ-32B recipes also one serving replica (the plan's ServingShape: its
+chips' slice, slots, pages) -- the paged engine's decode step (one token for every slot) and a
+prefill step (a chunk of PREFILL_TOKENS tokens), ragged paged attention on TPU, KV heads
+duplicated to the chips where they outnumber them -- under "serving": HBM per chip of each, fits,
+the KV cache's share, and the live sequences the pages hold (the planner's figure).
+
 A program the TPU compiler refuses (RESOURCE_EXHAUSTED) is reported as not fitting, with the
 temporaries it named plus the arguments as a lower bound. Each recipe compiles in a child process
 given COMPILE_TIMEOUT_S (a dense program with many query blocks per layer can take minutes); a
@@ -50,7 +56,10 @@ RECIPES = (
 )
 # A subset, comma-separated (a run split in parts on a busy host); unset: all of them.
 ONLY = [r for r in os.environ.get("AOT_RECIPES", "").split(",") if r]
-# Which compiles (VARIANTS), comma-separated; unset: both.
+# Recipes whose serving replica is compiled too (variant "serving"), and the prefill chunk.
+SERVING_RECIPES = ("asearcher_local_qwen2_5_7b", "asearcher_web_qwq_32b")
+PREFILL_TOKENS = 2048
+# Which compiles (VARIANTS, and "serving"), comma-separated; unset: all of them.
 ONLY_VARIANTS = [v for v in os.environ.get("AOT_VARIANTS", "").split(",") if v]
 SEQ_LEN = 32768
 # Seconds each compile (a child process) may take; AOT_COMPILE_TIMEOUT_S sets it.
@@ -80,8 +89,31 @@ VARIANTS = {
 }
 
 
+def run_serving(name: str) -> dict:
+  """One serving replica of the recipe on its slice: the paged engine's decode and prefill
+  steps with ragged paged attention (apps/compile.py serving_report)."""
+  t0 = time.perf_counter()
+  r = compiling.serving_report(_recipe(name), prefill_tokens=PREFILL_TOKENS)
+  return {
+    "topology": r["topology"], "chips": r["chips"], "slots": r["slots"], "pages": r["pages"],
+    "page_size": r["page_size"], "kv_heads_per_chip": r["kv_heads_per_chip"],
+    "kv_cache_gib_per_chip": r["kv_cache_gib_per_chip"], "chip_hbm_gib": r["hbm_gib_per_chip"],
+    "live_sequences_per_replica": r["live_sequences_per_replica"],
+    "live_context_tokens": r["live_context_tokens"], "prefill_tokens": r["prefill_tokens"],
+    **{f"{k}_hbm_gib_per_chip": r[k]["total_gib"] for k in ("decode", "prefill")},
+    **{f"{k}_fits": r[k]["fits"] for k in ("decode", "prefill")},
+    **{f"{k}_temp_gib": round(r[k]["temp_bytes"] / aot.GIB, 3) for k in ("decode", "prefill")},
+    **{f"{k}_compile_s": r[k]["compile_s"] for k in ("decode", "prefill")},
+    "planner_gib_per_chip": r["planner_gib_per_chip"],
+    **{f"{k}_error": r[k]["error"] for k in ("decode", "prefill") if "error" in r[k]},
+    "wall_s": round(time.perf_counter() - t0, 1),
+  }  # fmt: skip
+
+
 def run_recipe(name: str, variant: str, seq_len: int = SEQ_LEN) -> dict:
   """The recipe's learner at `seq_len` on its trainer slice, as `variant` (VARIANTS)."""
+  if variant == "serving":
+    return run_serving(name)
   recipe = _recipe(name)
   attention = None
   if variant == "dense":
@@ -124,7 +156,7 @@ def _not_compiled(name: str, variant: str) -> dict:
 def run_in_child(name: str, variant: str) -> dict:
   """`run_recipe` in a child process bounded by COMPILE_TIMEOUT_S."""
   t0 = time.perf_counter()
-  failed = _not_compiled(name, variant)
+  failed = {"decode_fits": None} if variant == "serving" else _not_compiled(name, variant)
   try:
     out = subprocess.run([sys.executable, __file__, "--recipe", name, variant],
                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)  # fmt: skip
@@ -168,6 +200,15 @@ def main_() -> None:
       else {**_not_compiled(name, "model"), **skipped}
     )
     r["dense"] = run_in_child(name, "dense") if "dense" in variants else skipped
+    if name in SERVING_RECIPES:
+      want = not ONLY_VARIANTS or "serving" in ONLY_VARIANTS
+      r["serving"] = run_in_child(name, "serving") if want else skipped
+      v = r["serving"]
+      if "decode_fits" in v:
+        print(f"{name} serving: {v['topology']} x {v['slots']} slots, {v['pages']} pages "
+              f"({v['live_sequences_per_replica']} live): decode {v['decode_hbm_gib_per_chip']} "
+              f"GiB/chip, prefill {v['prefill_hbm_gib_per_chip']} GiB/chip of "
+              f"{v['chip_hbm_gib']}", flush=True)  # fmt: skip
     results[name] = r
     planner = r.get("planner_gib_per_chip", r["dense"].get("planner_gib_per_chip"))
     print(f"{name}: {r['topology']} ({r['chips']} chips), {r['seq_len']} tokens/row: "

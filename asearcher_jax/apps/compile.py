@@ -10,7 +10,8 @@ and their per-chip memory is set beside the chip's HBM and `asearcher plan`'s fo
 JSON line; exits 0 when the train step fits, 1 when it does not.
 
 Flags: --topology NAME, --row_len N (the recipe's PPOConfig.row_len otherwise), --attention
-dense|flash|splash|auto (the model's own otherwise; resolved for TPU), --rows_per_shard N; or
+dense|flash|splash|auto (the model's own otherwise; resolved for TPU), --rows_per_shard N,
+--serving (one serving replica's paged decode and prefill steps instead, on its own slice); or
 bind `compiling.compile_recipe.*` as for any subcommand. libtpu must be installed (requirements
 .txt installs it on Linux x86-64); without a TPU attached the command runs JAX on the CPU with
 libtpu's metadata lookups silenced (asearcher_jax/tpu_env.py), set before jax is imported.
@@ -44,6 +45,7 @@ def split_flags(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
   parser = argparse.ArgumentParser(prog="asearcher compile", add_help=False)
   for flag, kind in FLAGS.items():
     parser.add_argument(flag, type=kind, default=None)
+  parser.add_argument("--serving", action="store_true", default=None)
   known, rest = parser.parse_known_args(list(argv))
   return rest, {k: v for k, v in vars(known).items() if v is not None}
 
@@ -71,6 +73,9 @@ class Recipe:
   # The planner's trainer shape (chips, live blocks) and target chip.
   trainer: mem.TrainerShape
   chip: str
+  # The planner's serving replica (chips, slots, pages) and trajectory lengths.
+  serving: mem.ServingShape = dataclasses.field(default_factory=mem.ServingShape)
+  lengths: mem.LengthDistribution = dataclasses.field(default_factory=mem.LengthDistribution)
 
 
 def recipe_from_gin(model: ModelConfig | None = None) -> Recipe:
@@ -88,7 +93,8 @@ def recipe_from_gin(model: ModelConfig | None = None) -> Recipe:
   return Recipe(
     model=model, ppo=config.ppo(), optimizer=config.learner.optimizer,
     mesh=config.mesh or MeshConfig(), trainer=_bound(mem.TrainerShape, mem.TrainerShape()),
-    chip=chip,
+    chip=chip, serving=_bound(mem.ServingShape, mem.ServingShape()),
+    lengths=_bound(mem.LengthDistribution, mem.LengthDistribution()),
   )  # fmt: skip
 
 
@@ -126,6 +132,47 @@ def report(
   return out
 
 
+def serving_report(
+  recipe: Recipe, *, topology: str | None = None, prefill_tokens: int = 2048
+) -> dict[str, Any]:
+  """One serving replica of `recipe` compiled for its slice (`aot.compile_serving`): decode
+  and prefill steps of the paged engine at the plan's slots and pages (a fixed-cache plan is
+  compiled at the pages its slots need on average, `plan_memory.pages_for`), with the
+  planner's figures beside: HBM per chip and the live sequences the pages hold."""
+  shape = recipe.serving
+  name = topology or aot.slice_for(recipe.chip, shape.chips).name
+  s = aot.tpu_slice(name)
+  pages = shape.pages or mem.pages_for(shape.slots, recipe.lengths, shape.page_size)
+  paged = dataclasses.replace(shape, chips=s.chips, pages=pages)
+  out = aot.compile_serving(
+    recipe.model, devices=aot.slice_devices(s), hbm_gib=s.hbm_gib, slots=shape.slots,
+    pages=pages, page_size=shape.page_size,
+    pages_per_seq=-(-shape.context // shape.page_size), prefill_tokens=prefill_tokens,
+  )  # fmt: skip
+  return {
+    "topology": s.name,
+    "topology_desc": s.topology,
+    **out,
+    "live_sequences_per_replica": round(mem.live_sequences(paged, recipe.lengths), 1),
+    "live_context_tokens": round(mem.live_context(recipe.lengths)),
+    "planner_gib_per_chip": round(mem.serving_memory(recipe.model, paged)["total"] / aot.GIB, 3),
+  }
+
+
+def _print_serving(r: dict[str, Any]) -> None:
+  print(f"serving replica on {r['topology']} ({r['chips']} chips): {r['slots']} slots, "
+        f"{r['pages']} pages of {r['page_size']} ({r['kv_cache_gib_per_chip']} GiB of KV a chip, "
+        f"{r['kv_heads_per_chip']} KV head(s) a chip), {r['live_sequences_per_replica']} live "
+        f"sequences at {r['live_context_tokens']} tokens each")  # fmt: skip
+  for name in ("decode", "prefill"):
+    p = r[name]
+    bound = ">= " if p.get("total_is_lower_bound") else ""
+    print(f"{name}: {bound}{p['total_gib']} GiB per chip of {r['hbm_gib_per_chip']} "
+          f"(temporaries {p['temp_bytes'] / aot.GIB:.2f}) fits={'yes' if p['fits'] else 'NO'}, "
+          f"compiled in {p['compile_s']} s")  # fmt: skip
+  print(f"planner (asearcher plan): {r['planner_gib_per_chip']} GiB per chip")
+
+
 def compile_recipe(
   *,
   model: ModelConfig | None = None,
@@ -134,6 +181,7 @@ def compile_recipe(
   attention: str | None = None,
   rows_per_shard: int | None = None,
   score: bool = True,
+  serving: bool = False,
 ) -> int:
   """Compiles the recipe's learner for a TPU slice; prints the report and one JSON line.
 
@@ -145,8 +193,16 @@ def compile_recipe(
     attention: dense, flash, splash or auto, resolved for TPU; None: the model's own.
     rows_per_shard: Minibatch rows per data shard; None: two micro-batches (2 x micro_rows).
     score: Also compile the proximal log-prob pass.
+    serving: Compile one serving replica's paged decode and prefill steps instead
+      (`serving_report`; topology None: the replica's slice, planning.plan.chip with
+      ServingShape.chips); exits 0 when both fit.
   """
   aot.require_libtpu()
+  if serving:
+    r = serving_report(recipe_from_gin(model), topology=topology)
+    _print_serving(r)
+    print(json.dumps(r))
+    return 0 if r["decode"]["fits"] and r["prefill"]["fits"] else 1
   r = report(recipe_from_gin(model), topology=topology, row_len=row_len, attention=attention,
              rows_per_shard=rows_per_shard, score=score)  # fmt: skip
   print(f"{r['params_b']} B parameters on {r['topology']} ({r['topology_desc']}, {r['chips']} "

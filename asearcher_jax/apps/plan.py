@@ -27,6 +27,7 @@ DEFAULT_MODEL = ModelConfig(
 
 DEFAULT_TRAINER = mem.TrainerShape()
 DEFAULT_SERVING = mem.ServingShape()
+DEFAULT_LENGTHS = mem.LengthDistribution()
 DEFAULT_WORKLOAD = plan_sim.Workload()
 DEFAULT_SCHEDULE = plan_sim.Schedule()
 DEFAULT_CHECKPOINT = plan_checkpoint.CheckpointPlan()
@@ -43,6 +44,7 @@ def estimate(
   tokens_per_episode: int,
   checkpoint: plan_checkpoint.CheckpointPlan = DEFAULT_CHECKPOINT,
   compiled_trainer_bytes: float | None = None,
+  lengths: mem.LengthDistribution = DEFAULT_LENGTHS,
 ) -> dict:
   """The plan as a dict (GB per chip by part, fits, step times, async vs sync).
   compiled_trainer_bytes: the trainer's bytes per chip from a compile (`asearcher compile`),
@@ -54,12 +56,35 @@ def estimate(
     t = {**t, "formula_total": t["total"], "total": compiled_trainer_bytes}
   s = mem.serving_memory(model, serving)
   tokens = schedule.batch_groups * schedule.group_size * tokens_per_episode
-  w = dataclasses.replace(
-    workload,
-    train_step_s=mem.train_step_s(model, tokens, trainer.chips, chip),
-    decode_token_s=mem.decode_token_s(model, serving.chips, chip),
+  train_s = mem.train_step_s(model, tokens, trainer.chips, chip)
+  # Before the serving model: every episode at single-stream speed (the weights read per step).
+  w_old = dataclasses.replace(
+    workload, train_step_s=train_s, decode_token_s=mem.decode_token_s(model, serving.chips, chip)
   )
-  rl = plan_sim.async_vs_sync(w, schedule)
+  old = plan_sim.async_vs_sync(w_old, schedule)
+  searches = workload.searches.mean()
+  serving_of = {}
+  for mode, groups in (
+    ("async", schedule.max_concurrent or (schedule.eta + 1) * schedule.batch_groups),
+    ("sync", schedule.batch_groups),
+  ):
+    serving_of[mode] = mem.serving_rates(
+      model, serving, lengths, mem.chip_rates(serving, chip),
+      in_flight=groups * schedule.group_size, calls_per_episode=2 * searches + 1,
+      tokens_per_call=workload.output_tokens.mean(), searches_per_episode=searches,
+      group_size=schedule.group_size,
+    )  # fmt: skip
+  w, w_sync = (
+    dataclasses.replace(
+      workload,
+      train_step_s=train_s,
+      decode_token_s=r["decode_token_s"],
+      call_overhead_s=workload.call_overhead_s + r["call_overhead_s"],
+    )
+    for r in (serving_of["async"], serving_of["sync"])
+  )
+  rl = plan_sim.async_vs_sync(w, schedule, sync_workload=w_sync)
+  a = serving_of["async"]
   return {
     "model_params_b": round(model.num_params() / 1e9, 3),
     "chip": chip,
@@ -69,6 +94,21 @@ def estimate(
     "serving_fits": mem.fits(s["total"]),
     "train_step_s": round(w.train_step_s, 2),
     "decode_token_ms": round(w.decode_token_s * 1e3, 2),
+    "serving": {
+      "layout": "fixed" if serving.pages is None else "paged",
+      "replicas": serving.replicas,
+      "live_per_replica": round(a["live_capacity"], 1),
+      "decode_batch_per_replica": round(a["decode_batch"], 1),
+      "live_context_tokens": round(a["context"]),
+      "decode_step_ms": round(a["step_s"] * 1e3, 2),
+      "call_prefill_ms": round(a["call_overhead_s"] * 1e3, 2),
+      "tokens_per_s": round(serving.replicas * a["decode_batch"] / a["step_s"], 1),
+    },
+    "weights_only": {  # the planner before it modelled the serving engine (KV reads, capacity)
+      "decode_token_ms": round(w_old.decode_token_s * 1e3, 2),
+      "sync_step_s": round(old["sync"]["wall_s"] / 10, 2),
+      "async_step_s": round(old["async"]["wall_s"] / 10, 2),
+    },
     "sync_step_s": round(rl["sync"]["wall_s"] / 10, 2),
     "async_step_s": round(rl["async"]["wall_s"] / 10, 2),
     "speedup_async_vs_sync": round(rl["speedup"], 2),
@@ -95,6 +135,7 @@ def plan(
   tokens_per_episode: int = 4096,
   checkpoint: plan_checkpoint.CheckpointPlan = DEFAULT_CHECKPOINT,
   trainer_from_compile: bool = False,
+  lengths: mem.LengthDistribution = DEFAULT_LENGTHS,
 ) -> int:
   """Prints the plan (table, then one JSON line); 1 when the target chip's HBM is too small.
 
@@ -102,7 +143,8 @@ def plan(
     model: The policy's architecture (`presets.model_config()` in recipes).
     chip: Target chip: one of v4, v5e, v5p, v6e (its HBM and bf16 peak).
     trainer: The trainer's mesh, rows and remat (memory per chip and the train step's rate).
-    serving: One serving replica: chips, slots and context (weights + KV cache per chip).
+    serving: One serving replica: chips, slots and context, fixed or paged cache, replicas,
+      prompt and tool tokens (weights + KV cache per chip; the decode and prefill rates).
     workload: The agent workload (searches, tokens per call, tool latency) of the simulation.
     schedule: B groups of n episodes, eta and the in-flight cap of the async run.
     tokens_per_episode: Trained tokens per episode (sets the train step's FLOPs).
@@ -111,6 +153,8 @@ def plan(
       recipe's learner for the `chip` slice of `trainer.chips` chips at `trainer.row_len`
       (`asearcher compile`; needs libtpu, tens of seconds for a real model) instead of the
       formula; the output's trainer_memory_source says which.
+    lengths: Trajectory lengths in the KV cache (the live sequences a page budget holds and
+      the positions each one reads per decode step).
   """
   compiled = source = None
   if trainer_from_compile:
@@ -125,7 +169,8 @@ def plan(
       source += ": the compiler refused it, a lower bound"
   p = estimate(model=model, chip=chip, trainer=trainer, serving=serving, workload=workload,
                schedule=schedule, tokens_per_episode=tokens_per_episode,
-               checkpoint=checkpoint, compiled_trainer_bytes=compiled)  # fmt: skip
+               checkpoint=checkpoint, compiled_trainer_bytes=compiled,
+               lengths=lengths)  # fmt: skip
   p["trainer_memory_source"] = source or "formula (rl/plan_memory.py)"
   print(
     f"model: {p['model_params_b']} B parameters; target chip {chip}; trainer memory from "
@@ -137,6 +182,12 @@ def plan(
     print(f"{name} ({shape.chips} chips), GB per chip: "
           + ", ".join(f"{k} {v}" for k, v in parts.items())
           + "  fits: " + " ".join(f"{c}={'yes' if ok else 'NO'}" for c, ok in fits.items()))  # fmt: skip
+  v = p["serving"]
+  print(f"serving ({v['layout']} cache, {v['replicas']} replicas): {v['live_per_replica']} live "
+        f"sequences each, decode batch {v['decode_batch_per_replica']} at "
+        f"{v['live_context_tokens']} tokens, step {v['decode_step_ms']} ms, "
+        f"{v['tokens_per_s']} tokens/s; weights-only model: async "
+        f"{p['weights_only']['async_step_s']} s/step")  # fmt: skip
   print(f"train step {p['train_step_s']} s, decode {p['decode_token_ms']} ms/token; "
         f"sync {p['sync_step_s']} s/step, async {p['async_step_s']} s/step: "
         f"{p['speedup_async_vs_sync']}x, async trainer idle {p['async_trainer_idle']}")  # fmt: skip

@@ -8,7 +8,9 @@ optimizer step and the proximal log-prob pass report what each chip needs (XLA's
 analysis: arguments, temporaries, outputs; donated arguments alias outputs) and the FLOPs of a
 step: an OOM is found before a slice is paid for (MaxText's train_compile.py does the same).
 
-The programs are `learner.compile_steps`, the functions the Learner runs.
+The programs are `learner.compile_steps`, the functions the Learner runs; and, for a serving
+replica, the paged engine step (`compile_serving`: decode and prefill over a paged cache with
+the ragged paged attention kernel).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asearcher_jax import tpu_env
 from asearcher_jax.errors import ConfigValueError
 from asearcher_jax.model import attention as attention_lib
+from asearcher_jax.model import ragged_paged, steps
 from asearcher_jax.model import sharding as sharding_lib
-from asearcher_jax.model import steps
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.rl import learner as learner_lib
 
@@ -275,3 +278,75 @@ def compile_for_slice(
   model = with_attention(model, attention, "tpu")
   report = compile_learner(model, devices=slice_devices(s), hbm_gib=s.hbm_gib, **kwargs)
   return {"topology": s.name, "topology_desc": s.topology, **report}
+
+
+# The ragged kernel's tiling in the serving compiles (its own defaults).
+SERVING_BLOCKS = ragged_paged.RaggedBlocks()
+
+
+def compile_serving(
+  model: ModelConfig,
+  *,
+  devices: Sequence,
+  hbm_gib: float,
+  slots: int,
+  pages: int,
+  page_size: int,
+  pages_per_seq: int,
+  prefill_tokens: int,
+  blocks: ragged_paged.RaggedBlocks = SERVING_BLOCKS,
+) -> dict[str, Any]:
+  """Compiles one serving replica's engine step for `devices` (tensor parallel over all of
+  them, serving/mesh.py's layout): `ragged_paged.paged_step` with the TPU kernel over a combined
+  paged cache of `pages` pages a layer (KV heads duplicated to the chips where they outnumber
+  them), as a decode step (one token for each of `slots` sequences) and as a prefill step (a
+  chunk of `prefill_tokens` tokens). The cache is donated (updated in place). Returns the
+  per-chip `memory_report` + compile_s of each, and the layout."""
+  from asearcher_jax.serving import mesh as serving_mesh
+
+  tp = len(devices)
+  m = sharding_lib.make_mesh(data=1, fsdp=1, tensor=tp, devices=list(devices))
+  rules = serving_mesh.engine_rules(model, tp)
+  graphdef, params = steps.abstract_params(model, mesh=m, rules=rules)
+  repeat = ragged_paged.kv_repeat(model, tp)
+  heads = model.num_kv_heads * repeat
+  shape = (pages, page_size, 2 * heads, model.resolved_head_dim)
+  pool = NamedSharding(
+    m, sharding_lib.logical_to_spec((None, None, serving_mesh.CACHE_HEADS, None), shape, m, rules)
+  )
+  kv = tuple(
+    jax.ShapeDtypeStruct(shape, jnp.dtype(model.dtype), sharding=pool)
+    for _ in range(model.num_layers)
+  )
+  rep = NamedSharding(m, PartitionSpec())
+
+  def i32(*dims: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
+
+  def step(params, kv, tokens, positions, page_table, lengths, cu_q_lens, num_seqs):
+    policy = nnx.merge(graphdef, params)
+    with sharding_lib.activation_sharding(m, rules):
+      return ragged_paged.paged_step(
+        policy, tokens, positions, kv, page_table, lengths, cu_q_lens, num_seqs,
+        kernel=True, repeat=repeat, blocks=blocks,
+      )  # fmt: skip
+
+  fn = jax.jit(step, donate_argnums=1, out_shardings=(None, (pool,) * model.num_layers))
+  table = (i32(slots, pages_per_seq), i32(slots), i32(slots + 1), i32(1))
+  hbm = hbm_gib * GIB
+  out: dict[str, Any] = {
+    "chips": tp,
+    "slots": slots,
+    "pages": pages,
+    "page_size": page_size,
+    "pages_per_seq": pages_per_seq,
+    "kv_heads_per_chip": heads // tp if heads % tp == 0 else heads,
+    "kv_repeat": repeat,
+    "kv_cache_gib_per_chip": round(argument_bytes(kv) / GIB, 3),
+    "prefill_tokens": prefill_tokens,
+    "hbm_gib_per_chip": hbm_gib,
+  }
+  out["decode"] = compile_report(fn, (params, kv, i32(slots), i32(slots), *table), hbm)
+  n = prefill_tokens
+  out["prefill"] = compile_report(fn, (params, kv, i32(n), i32(n), *table), hbm)
+  return out

@@ -15,8 +15,26 @@ Trainer, per chip (weights, moments and gradients FSDP-sharded over `chips`):
               block inputs of every layer plus one live block
   logits      `logit_copies` fp32 [tokens, vocab] buffers (logits, log-softmax, gradient) of one
               `ModelConfig.logits_chunk` of each row (the whole row when it is no longer)
-Serving, per chip: the weights in the param dtype, the KV cache (slots x context x layers x 2 x
-kv_heads x head_dim), and the decode step's logits, all divided over the replica's chips.
+Serving, per chip: the weights in the param dtype, the KV cache, and the decode step's logits,
+divided over the replica's chips. The cache is either fixed (slots x context positions reserved)
+or paged (`ServingShape.pages` pages of `page_size` positions, shared by whichever sequences
+are live); its KV heads are split over the chips, or duplicated up to the chip count where the
+chips outnumber them (each chip holds one head's copy: serving/mesh.py).
+
+Serving speed (what the paged engine does, rl/plan_memory.py's second half):
+  live        sequences decoding at once: the slots (fixed), or the page budget over the pages
+              a live sequence holds on average (paged). A sequence of final length L grows
+              through its life, so the live population holds E[L^2] / (2 E[L]) positions each
+              (length-biased: long sequences stay live longer), plus half a page of tail;
+              L is a log-normal capped at the context (`LengthDistribution`).
+  decode step the weights read once plus every live sequence's keys and values, over the HBM
+              bandwidth, or the step's matmuls over the FLOP rate, whichever is longer (a
+              roofline), plus a per-call overhead (dispatch, the host copy of the tokens).
+  prefill     compute-bound: 2 x parameters FLOPs a token; a group's shared prompt is
+              prefilled once for its n samples (prefix sharing). Chunks of prefill ride in the
+              decode steps (ragged batches), so they add their FLOPs to the step.
+`serving_rates` turns these into plan_sim's per-token and per-call seconds for a given number
+of episodes in flight (beyond the live capacity they wait their turn).
 
 Coefficients: logit_copies = 2.0, dense 1.0 and score_copies = 2.4 solve the compiled memory
 analyses of `steps.compile_train_step` on XLA:CPU at three sizes (2026-11-25: hidden 64/256/512,
@@ -30,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 from asearcher_jax.model.config import ModelConfig
 
@@ -90,6 +109,53 @@ class ServingShape:
   context: int = 32768
   # Dtype of the KV cache.
   kv_dtype: str = "bfloat16"
+  # Pages of the paged cache per replica (each `page_size` positions of every layer); None: the
+  # fixed cache (slots x context reserved). Paged, `slots` is the most sequences decoding at once
+  # (the page table's rows). The TPU kernel keeps the [slots, context / page_size] int32 page
+  # table in SMEM (1 MiB on v5p): 512 slots x 32k need pages of 128 (64 overflowed it).
+  pages: int | None = None
+  page_size: int = 128
+  # Serving replicas generating for the trainer (each one this shape).
+  replicas: int = 1
+  # Tokens of a group's prompt (shared by its n samples: prefilled and held once) and of each
+  # tool result appended to an episode (prefilled per search).
+  prompt_tokens: int = 1024
+  tool_tokens: int = 512
+  # A group's samples share their prompt's pages and prefill (prefix sharing); False: each
+  # sample prefills it again (the fixed-slot engine).
+  share_prompt: bool = True
+  # Fraction of the chip's HBM bandwidth and bf16 peak a decode step reaches, and the seconds
+  # each engine call adds (dispatch, host copy).
+  bandwidth_efficiency: float = 0.6
+  flops_efficiency: float = 0.4
+  call_overhead_s: float = 0.002
+
+  def __post_init__(self):
+    if self.pages is not None and self.pages <= 0:
+      raise ValueError(f"ServingShape.pages must be positive or None, got {self.pages}")
+    if self.page_size <= 0:
+      raise ValueError(f"ServingShape.page_size must be positive, got {self.page_size}")
+    if self.replicas <= 0:
+      raise ValueError(f"ServingShape.replicas must be positive, got {self.replicas}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LengthDistribution:
+  """Tokens a trajectory holds in the KV cache when it ends (prompt, every turn, every tool
+  result): a log-normal fit, capped at the engine's context."""
+
+  # The median (exp of the underlying normal's mean) and that normal's standard deviation.
+  median: float = 6000.0
+  sigma: float = 0.8
+  # Longest trajectory (EngineConfig.max_seq_len): longer draws end there.
+  cap: float = 32768.0
+
+  def __post_init__(self):
+    if self.median <= 0 or self.sigma < 0 or self.cap <= 0:
+      raise ValueError(
+        f"LengthDistribution needs median > 0, sigma >= 0, cap > 0; got {self.median}, "
+        f"{self.sigma}, {self.cap}"
+      )
 
 
 def _b(dtype: str) -> int:
@@ -148,17 +214,124 @@ def trainer_memory(model: ModelConfig, shape: TrainerShape) -> dict[str, float]:
   return parts
 
 
+def kv_heads_per_chip(model: ModelConfig, chips: int) -> int:
+  """KV heads each chip of a tensor-parallel replica holds: its share when they divide by the
+  chips, one (its own copy) when the chips outnumber them (serving/mesh.py duplicates them),
+  all of them otherwise (replicated)."""
+  k = model.num_kv_heads
+  if chips >= k and chips % k == 0:
+    return 1
+  return k // chips if k % chips == 0 else k
+
+
+def kv_bytes_per_token(model: ModelConfig, chips: int, dtype: str = "bfloat16") -> float:
+  """Bytes of keys and values one cached position takes on each chip of the replica."""
+  heads = kv_heads_per_chip(model, chips)
+  return model.num_layers * 2 * heads * model.resolved_head_dim * _b(dtype)
+
+
 def serving_memory(model: ModelConfig, shape: ServingShape) -> dict[str, float]:
   """Bytes per chip of one serving replica, by part, and their total."""
   c = shape.chips
-  kv_per_token = model.num_layers * 2 * model.num_kv_heads * model.resolved_head_dim
+  positions = shape.slots * shape.context if shape.pages is None else shape.pages * shape.page_size
   parts = {
     "params": model.num_params() * _b(model.param_dtype) / c,
-    "kv_cache": shape.slots * shape.context * kv_per_token * _b(shape.kv_dtype) / c,
+    "kv_cache": positions * kv_bytes_per_token(model, c, shape.kv_dtype),
     "logits": shape.slots * model.vocab_size * 4 / c,
   }
   parts["total"] = sum(parts.values())
   return parts
+
+
+def _capped_moment(dist: LengthDistribution, k: int) -> float:
+  """E[min(L, cap)^k] of the log-normal L: the closed form of the truncated moments."""
+  mu, s = math.log(dist.median), dist.sigma
+  c = math.log(dist.cap)
+  if s == 0:
+    return min(dist.median, dist.cap) ** k
+  phi = statistics.NormalDist().cdf
+  below = math.exp(k * mu + k * k * s * s / 2) * phi((c - mu - k * s * s) / s)
+  return below + dist.cap**k * (1 - phi((c - mu) / s))
+
+
+def mean_length(dist: LengthDistribution) -> float:
+  """Mean final length of a trajectory (tokens)."""
+  return _capped_moment(dist, 1)
+
+
+def live_context(dist: LengthDistribution) -> float:
+  """Mean positions a live sequence holds: E[L^2] / (2 E[L]) (a sequence grows from 0 to L over
+  a life as long as L, so at a random moment the live ones are length-biased, half-way)."""
+  return _capped_moment(dist, 2) / (2 * _capped_moment(dist, 1))
+
+
+def live_sequences(shape: ServingShape, dist: LengthDistribution) -> float:
+  """Sequences one replica decodes at once: its slots (fixed cache), or its pages over the pages
+  a live sequence holds on average (half a page of tail each), at most its slots (paged)."""
+  if shape.pages is None:
+    return float(shape.slots)
+  per_sequence = live_context(dist) / shape.page_size + 0.5
+  return min(float(shape.slots), shape.pages / per_sequence)
+
+
+def pages_for(live: int, dist: LengthDistribution, page_size: int) -> int:
+  """Pages a replica needs for `live` sequences on average (the inverse of live_sequences)."""
+  return math.ceil(live * (live_context(dist) / page_size + 0.5))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rates:
+  """What one replica moves and computes per second, and what each call costs."""
+
+  # Bytes per second read from HBM (every chip of the replica together, at its efficiency).
+  bytes_s: float
+  # FLOP per second of the matmuls (every chip together, at its efficiency).
+  flops_s: float
+  # Seconds each engine call adds besides (dispatch, the host copy of the tokens).
+  call_overhead_s: float = 0.0
+  # Bytes per second the attention reads cached keys and values at; None: `bytes_s` (a kernel
+  # that streams the pages once, as ragged paged attention does on TPU). XLA:CPU's attention
+  # transposes the keys and values first, so it reads them at its own rate.
+  kv_bytes_s: float | None = None
+
+
+def chip_rates(shape: ServingShape, chip: str) -> Rates:
+  """A replica's rates from its chips' documented peaks (CHIPS) and the shape's efficiencies."""
+  spec = CHIPS[chip]
+  return Rates(
+    bytes_s=shape.chips * spec.hbm_gbps * 1e9 * shape.bandwidth_efficiency,
+    flops_s=shape.chips * spec.bf16_tflops * 1e12 * shape.flops_efficiency,
+    call_overhead_s=shape.call_overhead_s,
+  )
+
+
+def decode_step_s(
+  model: ModelConfig,
+  *,
+  batch: float,
+  context: float,
+  rates: Rates,
+  chips: int = 1,
+  weight_dtype: str | None = None,
+  kv_dtype: str | None = None,
+  prefill_tokens: float = 0.0,
+) -> float:
+  """Seconds of one decode step of `batch` sequences holding `context` positions each (plus
+  `prefill_tokens` of prefill riding in the same ragged batch): the weights and every live
+  key and value read once, or the matmul FLOPs, whichever takes longer, plus the call's
+  overhead. chips: the replica's tensor-parallel degree (the KV heads each chip holds)."""
+  weights = model.num_params() * _b(weight_dtype or model.param_dtype)
+  kv = batch * context * kv_bytes_per_token(model, chips, kv_dtype or model.dtype) * chips
+  tokens = batch + prefill_tokens
+  q = model.num_heads * model.resolved_head_dim
+  flops = 2 * model.num_params() * tokens + 4 * model.num_layers * q * batch * context
+  read_s = weights / rates.bytes_s + kv / (rates.kv_bytes_s or rates.bytes_s)
+  return max(read_s, flops / rates.flops_s) + rates.call_overhead_s
+
+
+def prefill_s(model: ModelConfig, tokens: float, rates: Rates) -> float:
+  """Seconds to prefill `tokens` on their own: compute-bound, 2 FLOPs per parameter a token."""
+  return 2 * model.num_params() * tokens / rates.flops_s + rates.call_overhead_s
 
 
 def fits(total_bytes: float, headroom: float = 0.9) -> dict[str, bool]:
@@ -185,3 +358,55 @@ def decode_token_s(model: ModelConfig, chips: int, chip: str, efficiency: float 
 
 def gb(x: float) -> float:
   return math.floor(x / GB * 100 + 0.5) / 100
+
+
+def length_quantile(dist: LengthDistribution, q: float) -> float:
+  """The q-quantile of the capped log-normal length."""
+  z = statistics.NormalDist().inv_cdf(min(max(q, 1e-9), 1 - 1e-9))
+  return min(dist.cap, dist.median * math.exp(dist.sigma * z))
+
+
+def serving_rates(
+  model: ModelConfig,
+  shape: ServingShape,
+  dist: LengthDistribution,
+  rates: Rates,
+  *,
+  in_flight: float,
+  calls_per_episode: float,
+  tokens_per_call: float,
+  searches_per_episode: float,
+  group_size: int,
+) -> dict[str, float]:
+  """Per-token and per-call seconds of one episode when `in_flight` episodes share the
+  replicas (plan_sim.Workload's decode_token_s and call_overhead_s), and what they come from.
+
+  Each replica decodes min(its share, its live capacity) sequences a step; episodes beyond the
+  capacity wait their turn (their tokens come capacity / share as often). The paged engine reads
+  each live sequence's own positions; the fixed one reads every slot over the window of the
+  longest (the 1 - 1 / (batch + 1) quantile of the length). Prefill tokens (the prompt, once a
+  group when shared, and each tool result) ride in the decode steps in proportion to the
+  tokens generated; a call waits for its own prefill besides."""
+  share = in_flight / shape.replicas
+  capacity = live_sequences(shape, dist)
+  batch = max(min(share, capacity), 1.0)
+  if shape.pages is None:
+    context = length_quantile(dist, 1 - 1 / (batch + 1))
+  else:
+    context = live_context(dist)
+  prompt = shape.prompt_tokens / group_size if shape.share_prompt else shape.prompt_tokens
+  prefill_per_episode = prompt + searches_per_episode * shape.tool_tokens
+  generated = calls_per_episode * tokens_per_call
+  step = decode_step_s(
+    model, batch=batch, context=context, rates=rates, chips=shape.chips,
+    kv_dtype=shape.kv_dtype, prefill_tokens=batch * prefill_per_episode / generated,
+  )  # fmt: skip
+  return {
+    "live_capacity": capacity,
+    "decode_batch": batch,
+    "context": context,
+    "step_s": step,
+    "decode_token_s": step * max(1.0, share / capacity),
+    "call_overhead_s": prefill_s(model, prefill_per_episode / calls_per_episode, rates),
+    "prefill_tokens_per_episode": prefill_per_episode,
+  }

@@ -11,8 +11,9 @@ The system it models is the one `rl/trainer.py` runs and benchmarks/async_vs_syn
   trainer   takes B finished groups in completion order and trains `train_step_s`; the version
             then advances (synchronous RL: eta = 0 and max_concurrent = B, so generation and
             training alternate).
-Generation is assumed not to slow down with load (continuous batching below its compute bound),
-so what the model shows is the pipeline: the long-tail barrier that sync mode waits on every step
+Within one run the rates are fixed: apps/plan.py sets them for the number of episodes each mode
+keeps in flight (rl/plan_memory.serving_rates: the live capacity of the page budget, decode
+steps bound by weights plus KV reads), so what the simulation adds is the pipeline: the long-tail barrier that sync mode waits on every step
 and the Little's-law bound on async mode -- at most (eta + 1) x B groups in flight, each taking
 the mean group latency L, feed B groups per (eta + 1) x T only while L < (eta + 1) x T.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import statistics
 
 import numpy as np
 
@@ -35,6 +37,13 @@ class LogNormal:
   # Draws are clipped to [low, high].
   low: float
   high: float
+
+  def mean(self) -> float:
+    """The clipped draw's mean, over evenly spaced quantiles (deterministic: the planner's rates
+    depend on it)."""
+    q = (np.arange(4096) + 0.5) / 4096
+    z = np.vectorize(statistics.NormalDist().inv_cdf)(q)
+    return float(np.mean(np.clip(self.median * np.exp(self.sigma * z), self.low, self.high)))
 
   def draw(self, rng: np.random.Generator, n: int | None = None) -> np.ndarray:
     x = self.median * np.exp(self.sigma * rng.standard_normal(n))
@@ -136,13 +145,22 @@ def simulate(w: Workload, s: Schedule, *, steps: int = 10, seed: int = 0) -> dic
   }
 
 
-def async_vs_sync(w: Workload, s: Schedule, *, steps: int = 10, seeds: int = 20) -> dict:
+def async_vs_sync(
+  w: Workload,
+  s: Schedule,
+  *,
+  steps: int = 10,
+  seeds: int = 20,
+  sync_workload: Workload | None = None,
+) -> dict:
   """Both modes on the same workload (sync: eta = 0, max_concurrent = B), averaged over
-  `seeds` runs; speedup = sync wall / async wall (same steps, same batch)."""
+  `seeds` runs; speedup = sync wall / async wall (same steps, same batch). sync_workload: the
+  sync run's own rates (fewer episodes in flight decode faster); None: `w`'s."""
   sync_s = dataclasses.replace(s, eta=0, max_concurrent=s.batch_groups)
+  modes = (("sync", sync_workload or w, sync_s), ("async", w, s))
   runs = {
-    name: [simulate(w, sched, steps=steps, seed=i) for i in range(seeds)]
-    for name, sched in (("sync", sync_s), ("async", s))
+    name: [simulate(wl, sched, steps=steps, seed=i) for i in range(seeds)]
+    for name, wl, sched in modes
   }
   mean = {n: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]} for n, rs in runs.items()}
   return {

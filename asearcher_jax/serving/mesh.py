@@ -12,10 +12,14 @@ attention and one after the MLP per layer:
     the keys and values of the heads it computes and cache memory per chip falls with t;
   * norms and the per-slot bookkeeping (lengths, PRNG keys, sampling settings) replicated.
 Heads are split only on head boundaries. When num_kv_heads does not divide by t (Qwen2.5-0.5B to
-3B have 2 KV heads), the k/v projections and the KV cache are replicated: every chip computes and
-stores every KV head (a few columns of compute, and the whole cache per chip). Splitting each KV
-head's copies over t / num_kv_heads chips, as vLLM does, needs the weights themselves duplicated,
-which a sharding cannot express; the query heads, o_proj, MLP and vocabulary stay split either way.
+3B have 2 KV heads; Qwen2.5-7B has 4 at t = 8), the k/v projections are replicated: every chip
+computes every KV head (a few columns of compute). The cache need not be: a cache built with
+`cache_kv_heads` heads -- each KV head repeated t / num_kv_heads times, as vLLM does, where t
+divides by num_kv_heads (`ragged_paged.kv_repeat`) -- splits over "tensor" like any other, each
+chip keeping the copy of the one head its query heads read (1 / t of the cache, not all of it).
+The paged step (`ragged_paged.paged_step(repeat=...)`) builds it so; the fixed-slot cache keeps
+num_kv_heads heads and stays replicated there. The query heads, o_proj, MLP and vocabulary stay
+split either way.
 When num_heads does not divide by t, attention is replicated and only the MLP and vocabulary split.
 """
 
@@ -28,6 +32,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asearcher_jax.errors import AsearcherError
+from asearcher_jax.model import ragged_paged
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
 
@@ -66,6 +71,9 @@ def engine_rules(model: ModelConfig, tensor: int) -> Mapping[str, str | tuple[st
   no fsdp or batch split, heads split only where their count divides by `tensor`."""
   heads = "tensor" if model.num_heads % tensor == 0 else None
   kv = "tensor" if model.num_kv_heads % tensor == 0 else None
+  # A cache of duplicated heads (cache_kv_heads) divides by the chips; a cache of num_kv_heads
+  # that does not stays replicated whatever this says (logical_to_spec checks divisibility).
+  cache = "tensor" if heads and cache_kv_heads(model, tensor) % tensor == 0 else kv
   return {
     **sharding_lib.DEFAULT_RULES,
     "embed": None,
@@ -73,8 +81,14 @@ def engine_rules(model: ModelConfig, tensor: int) -> Mapping[str, str | tuple[st
     "q_heads": heads,
     "act_heads": heads,
     "kv_heads": kv,
-    CACHE_HEADS: kv,
+    CACHE_HEADS: cache,
   }
+
+
+def cache_kv_heads(model: ModelConfig, tensor: int) -> int:
+  """KV heads the cache carries on `tensor` chips: num_kv_heads, or `tensor` where the chips
+  outnumber the heads and divide by them (each head duplicated so every chip holds one)."""
+  return model.num_kv_heads * ragged_paged.kv_repeat(model, tensor)
 
 
 def engine_layout(

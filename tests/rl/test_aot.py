@@ -186,3 +186,31 @@ def test_asearcher_train_refuses_a_learner_too_big_for_its_devices_before_it_sta
   assert report["train"]["fits"] and report["chips"] == 4
   with pytest.raises(AsearcherError, match=r"train step needs .* GiB a device .* 4 x .* has 0\.0"):
     train_app.check_fit(config, cfg, devices, 2**20)
+
+
+@pytest.mark.slow
+def test_tiny_paged_serving_step_compiles_for_v5p_8_with_its_heads_split():
+  """A serving replica's decode and prefill steps (ragged paged attention, the Pallas TPU kernel)
+  compile for the 4 chips of a v5p-8 with explicit block sizes; 2 KV heads over 4 chips are
+  duplicated, so each chip's cache is one head (a quarter of the duplicated cache), donated."""
+  cfg = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=256, num_layers=1,
+                    num_heads=4, num_kv_heads=2, param_dtype="bfloat16", dtype="bfloat16")  # fmt: skip
+  s = aot.tpu_slice("v5p-8")
+  r = aot.compile_serving(cfg, devices=aot.slice_devices(s), hbm_gib=s.hbm_gib, slots=8,
+                          pages=64, page_size=16, pages_per_seq=8, prefill_tokens=64)  # fmt: skip
+  assert (r["chips"], r["kv_repeat"], r["kv_heads_per_chip"]) == (4, 2, 1)
+  pool = 64 * 16 * 2 * 128 * 2  # pages x page_size x (k, v) x head_dim x bf16, one head a chip
+  assert r["kv_cache_gib_per_chip"] == round(pool / aot.GIB, 3)
+  for name in ("decode", "prefill"):
+    p = r[name]
+    assert p["fits"] and p["alias_bytes"] >= pool, name  # the cache updated in place
+    assert p["argument_bytes"] >= pool + 2 * cfg.num_params() / 4, name
+
+
+def test_compile_serving_flag_selects_the_serving_programs():
+  from asearcher_jax.apps import compile as compiling
+
+  rest, overrides = compiling.split_flags(["gin/experiments/x.gin", "--serving", "--topology",
+                                           "v5p-8"])  # fmt: skip
+  assert rest == ["gin/experiments/x.gin"] and overrides == {"serving": True, "topology": "v5p-8"}
+  assert compiling.split_flags(["x.gin"])[1] == {}
