@@ -16,7 +16,6 @@ Snowball stemmer), so both backends index the same terms; tantivy's BM25 has Luc
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -110,20 +109,21 @@ def _pages_schema() -> Any:
 
 class _Hashes:
   """64-bit hashes of strings in a growing numpy array: duplicate and distinct counts over
-  millions of ids in 8 bytes each, instead of a Python set of the strings."""
+  millions of ids in 8 bytes each, instead of a Python set of the strings. (Python's own str
+  hash: salted per process, which is fine, every hash of one build is taken in its process.)"""
 
   def __init__(self) -> None:
     self._chunks: list[np.ndarray] = []
     self._buf: list[int] = []
 
   def add(self, s: str) -> None:
-    self._buf.append(int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little"))
+    self._buf.append(hash(s))
     if len(self._buf) >= 1 << 16:
-      self._chunks.append(np.array(self._buf, dtype=np.uint64))
+      self._chunks.append(np.array(self._buf, dtype=np.int64))
       self._buf = []
 
   def sorted(self) -> np.ndarray:
-    parts = [*self._chunks, np.array(self._buf, dtype=np.uint64)]
+    parts = [*self._chunks, np.array(self._buf, dtype=np.int64)]
     return np.sort(np.concatenate(parts))
 
 
@@ -154,11 +154,13 @@ def build_passages(
     directory, _passage_schema(), config, make_analyzer(stemmer, stopwords)
   )
   ids, pages = _Hashes(), _Hashes()
-  n = 0
+  n, last_url, key = 0, None, ""
   for p in passages:
     if not p.text and not p.title:
       continue
-    key = page_key(p.url)
+    if p.url != last_url:  # a page's passages are usually consecutive: one page_key each
+      last_url, key = p.url, page_key(p.url)
+      pages.add(key)
     doc = tantivy.Document()
     doc.add_text("body", p.contents)
     doc.add_unsigned("ord", n)
@@ -169,7 +171,6 @@ def build_passages(
     doc.add_text("url", p.url)
     writer.add_document(doc)
     ids.add(p.id)
-    pages.add(key)
     n += 1
   writer.commit()
   writer.wait_merging_threads()
@@ -193,8 +194,7 @@ def _ids_with_hash(index: Any, searcher: Any, digest: int) -> Iterator[str]:
   for offset in range(0, searcher.num_docs, page):
     for _, addr in searcher.search(every, page, count=False, offset=offset).hits:
       pid = searcher.doc(addr).get_first("id")
-      h = int.from_bytes(hashlib.blake2b(pid.encode(), digest_size=8).digest(), "little")
-      if h == digest:
+      if hash(pid) == digest:
         q = tantivy.Query.term_query(index.schema, "id", pid)
         if len(searcher.search(q, 2, count=False).hits) > 1:
           yield pid
