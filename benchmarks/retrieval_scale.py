@@ -61,12 +61,18 @@ def _vocabulary(rng: np.random.Generator) -> list[str]:
   return words
 
 
+_VOCABULARY: list[str] = []
+
+
 class Zipf:
-  """Deterministic word streams from the Zipfian vocabulary."""
+  """Deterministic word streams from the Zipfian vocabulary (one vocabulary, seed 0, for the
+  corpus and the queries alike; `seed` only draws the stream)."""
 
   def __init__(self, seed: int = 0) -> None:
+    if not _VOCABULARY:
+      _VOCABULARY.extend(_vocabulary(np.random.default_rng(0)))
     self.rng = np.random.default_rng(seed)
-    self.words = np.array(_vocabulary(self.rng), dtype=object)
+    self.words = np.array(_VOCABULARY, dtype=object)
     p = 1.0 / np.arange(1, VOCAB + 1) ** ZIPF_S
     self.cdf = np.cumsum(p / p.sum())
 
