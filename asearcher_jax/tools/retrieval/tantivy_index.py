@@ -30,6 +30,9 @@ Hits = list[tuple[int, float]]
 ANALYZER = "asearcher_bm25"
 PASSAGES_DIR = "tantivy"
 PAGES_DIR = "tantivy_pages"
+# Stored-only fields (UTF-8 bytes) of a passage and of a row of a separate pages file.
+STORED = ("title", "text", "url")
+PAGE_STORED = ("url", "title", "contents")
 # The most passages one page may have (access joins them; wiki-18 pages have a few hundred).
 MAX_PAGE_PASSAGES = 10_000
 
@@ -93,8 +96,8 @@ def _passage_schema() -> Any:
   sb.add_unsigned_field("ord", stored=False, indexed=True, fast=True)
   sb.add_text_field("id", stored=True, tokenizer_name="raw", index_option="basic")
   sb.add_text_field("page", stored=False, tokenizer_name="raw", index_option="basic")
-  for name in ("title", "text", "url"):  # stored only ("raw": one term, cheap)
-    sb.add_text_field(name, stored=True, tokenizer_name="raw", index_option="basic")
+  for name in STORED:  # stored only: bytes fields are not indexed (a text field always is)
+    sb.add_bytes_field(name, stored=True)
   return sb.build()
 
 
@@ -102,8 +105,8 @@ def _pages_schema() -> Any:
   tantivy = _tantivy()
   sb = tantivy.SchemaBuilder()
   sb.add_text_field("key", stored=False, tokenizer_name="raw", index_option="basic")
-  for name in ("url", "title", "contents"):
-    sb.add_text_field(name, stored=True, tokenizer_name="raw", index_option="basic")
+  for name in PAGE_STORED:
+    sb.add_bytes_field(name, stored=True)
   return sb.build()
 
 
@@ -166,9 +169,9 @@ def build_passages(
     doc.add_unsigned("ord", n)
     doc.add_text("id", p.id)
     doc.add_text("page", key)
-    doc.add_text("title", p.title)
-    doc.add_text("text", p.text)
-    doc.add_text("url", p.url)
+    doc.add_bytes("title", p.title.encode())
+    doc.add_bytes("text", p.text.encode())
+    doc.add_bytes("url", p.url.encode())
     writer.add_document(doc)
     ids.add(p.id)
     n += 1
@@ -208,9 +211,8 @@ def build_pages(rows: Iterable[dict[str, str]], directory: Path, config: Tantivy
   for row in rows:
     doc = tantivy.Document()
     doc.add_text("key", page_key(row["url"]))
-    doc.add_text("url", row["url"])
-    doc.add_text("title", row.get("title", ""))
-    doc.add_text("contents", row["contents"])
+    for name in PAGE_STORED:
+      doc.add_bytes(name, row.get(name, "").encode())
     writer.add_document(doc)
     n += 1
   writer.commit()
@@ -220,7 +222,7 @@ def build_pages(rows: Iterable[dict[str, str]], directory: Path, config: Tantivy
 
 def _passage(doc: Any) -> Passage:
   d = doc.to_dict()
-  return Passage(id=d["id"][0], title=d["title"][0], text=d["text"][0], url=d["url"][0])
+  return Passage(id=d["id"][0], **{k: bytes(d[k][0]).decode() for k in STORED})
 
 
 class TantivyPassages:
@@ -264,7 +266,7 @@ class TantivyPages:
       if not hits:
         return None
       d = searcher.doc(hits[0][1]).to_dict()
-      return {"url": d["url"][0], "title": d["title"][0], "contents": d["contents"][0]}
+      return {k: bytes(d[k][0]).decode() for k in PAGE_STORED}
     searcher = self._r.searcher()
     q = tantivy.Query.term_query(self._r.schema, "page", key)
     hits = searcher.search(q, MAX_PAGE_PASSAGES, count=False).hits
