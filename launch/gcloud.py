@@ -7,7 +7,12 @@ Flags as the gcloud reference documents them (checked 2026-11-25):
     QUEUED_RESOURCE --zone [--async] [--force] (force: delete the nodes first)
   https://cloud.google.com/sdk/gcloud/reference/compute/tpus/tpu-vm/ssh
     TPU --zone --worker=WORKER|all --command=COMMAND
-Each slice is one queued resource whose node id is the slice name. `plan(...)` returns the
+  https://cloud.google.com/sdk/gcloud/reference/compute/instances/create
+    NAME --zone --machine-type --image-family --image-project --scopes
+    [--disk=name=DISK,mode=ro,device-name=NAME] (a disk attached read-only to many VMs)
+  https://cloud.google.com/sdk/gcloud/reference/compute/ssh  NAME --zone --command=COMMAND
+Each slice is one queued resource whose node id is the slice name; a retrieval tier (spec
+[retrieval]) is plain CPU VMs. `plan(...)` returns the
 commands; `run(...)` executes them from the repository root (or only prints them with dry_run),
 so the golden tests and a real launch share every string.
 """
@@ -23,12 +28,21 @@ import time
 from collections.abc import Callable
 
 from launch import roles
-from launch.spec import REPO, ClusterSpec, Slice
+from launch.spec import INDEX_MOUNT, REPO, ClusterSpec, RetrievalTier, Slice
 
 # On every worker (home-relative): the code, the virtualenv, logs and pid files.
 CODE, VENV, RUN = "~/asearcher_jax", "~/asearcher_venv", "~/asearcher_run"
-# Stands for trainer worker 0's internal IP in printed plans (resolved with `describe` in a run).
+# Stands for trainer worker 0's internal IP in printed plans (resolved with `describe` in a run),
+# and for retrieval host i's (retrieval_ip(i)).
 TRAINER_IP = "TRAINER0_IP"
+# The retrieval hosts' OS image (Python 3.11 is Debian 12's python3).
+VM_IMAGE = ("--image-family=debian-12", "--image-project=debian-cloud")
+
+
+def retrieval_ip(i: int) -> str:
+  return f"RETRIEVAL{i}_IP"
+
+
 ACTIONS = ("up", "setup", "start", "status", "logs", "stop", "down")
 # Web-tool keys: printed as $NAME, filled in from the launching environment when a plan runs.
 SECRETS = ("SERPER_API_KEY", "JINA_API_KEY")
@@ -52,6 +66,14 @@ def _where(spec: ClusterSpec) -> list[str]:
 def _ssh(spec: ClusterSpec, s: Slice, worker: int | str, script: str) -> Command:
   return Command(argv=("gcloud", "compute", "tpus", "tpu-vm", "ssh", s.name, *_where(spec),
                        f"--worker={worker}", f"--command={script}"))  # fmt: skip
+
+
+def _vm_ssh(spec: ClusterSpec, host: str, script: str) -> Command:
+  return Command(argv=("gcloud", "compute", "ssh", host, *_where(spec), f"--command={script}"))
+
+
+def _retrieval_hosts(spec: ClusterSpec) -> tuple[str, ...]:
+  return spec.retrieval.hosts if spec.retrieval else ()
 
 
 def _bucket(spec: ClusterSpec) -> tuple[str, str]:
@@ -78,12 +100,20 @@ def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
   files = tuple(
     f"{root}/addresses/{s.name}-w{w}.json" for s in spec.serving for w in range(s.hosts)
   )
+  tier = spec.retrieval
+  if tier is not None:  # every replica of the tier, host by host
+    addresses = tuple(f"{retrieval_ip(i)}:{spec.retrieval_port + r}"
+                      for i in range(tier.count) for r in range(tier.replicas))  # fmt: skip
+  else:
+    addresses = (f"{TRAINER_IP}:{spec.retrieval_port}",) if spec.tools == "local" else ()
   return roles.Layout(
     gin_files=(spec.experiment,), gin_params=gin_params, run_dir=f"{root}/train",
     weights_dir=f"{storage(spec)}/weights", checkpoint_dir=f"{storage(spec)}/train/checkpoints",
     address_files=files, host="0.0.0.0",
     serve_port=spec.serve_port, retrieval_port=spec.retrieval_port,
-    retrieval_address=f"{TRAINER_IP}:{spec.retrieval_port}" if spec.tools == "local" else None,
+    retrieval_addresses=addresses,
+    retrieval_index_dir=INDEX_MOUNT if tier else None,
+    retrieval_workers=tier.workers if tier else None,
     asearcher=(f"{VENV}/bin/asearcher",),
   )  # fmt: skip
 
@@ -107,7 +137,35 @@ def up(spec: ClusterSpec) -> list[Command]:
                   f"--runtime-version={spec.runtime_version}", *extra))
     for s in spec.slices
   ]  # fmt: skip
-  return create + [_state(spec, s) for s in spec.slices]
+  return create + [_state(spec, s) for s in spec.slices] + _create_vms(spec)
+
+
+def _create_vms(spec: ClusterSpec) -> list[Command]:
+  tier = spec.retrieval
+  if tier is None:
+    return []
+  disk = (
+    (f"--disk=name={tier.index_disk},mode=ro,device-name=asearcher-index",)
+    if tier.index_disk
+    else ()
+  )
+  return [
+    Command(argv=("gcloud", "compute", "instances", "create", host, *_where(spec),
+                  f"--machine-type={tier.machine_type}", *VM_IMAGE, "--scopes=cloud-platform",
+                  *disk))
+    for host in tier.hosts
+  ]  # fmt: skip
+
+
+def _index_script(tier: RetrievalTier) -> str:
+  """The index at INDEX_MOUNT on a retrieval host: the read-only disk mounted, or the bucket's
+  copy brought to the local disk (tantivy memory-maps its files)."""
+  prep = f"sudo mkdir -p {INDEX_MOUNT} && "
+  if tier.index_disk:
+    return prep + (f"(mountpoint -q {INDEX_MOUNT} || sudo mount -o ro,noload "
+                   f"/dev/disk/by-id/google-asearcher-index {INDEX_MOUNT})")  # fmt: skip
+  return prep + (f"sudo chown \"$USER\" {INDEX_MOUNT} && "
+                 f"gcloud storage rsync --recursive {tier.index} {INDEX_MOUNT}")  # fmt: skip
 
 
 def _state(spec: ClusterSpec, s: Slice) -> Command:
@@ -127,7 +185,11 @@ def setup(spec: ClusterSpec, commit: str) -> list[Command]:
     Command(argv=("gcloud", "storage", "cp", "launch/bootstrap.sh", script)),
   ]  # fmt: skip
   boot = f"gcloud storage cat {script} | bash -s -- {tarball} {_bucket(spec)[0]} {spec.mount}"
-  return cmds + [_ssh(spec, s, "all", boot) for s in spec.slices]
+  cmds += [_ssh(spec, s, "all", boot) for s in spec.slices]
+  if spec.retrieval is not None:
+    index = _index_script(spec.retrieval)
+    cmds += [_vm_ssh(spec, host, f"{boot} && {index}") for host in spec.retrieval.hosts]
+  return cmds
 
 
 def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
@@ -139,7 +201,19 @@ def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
                   *_where(spec), "--format=value(networkEndpoints[0].ipAddress)"),
             capture=TRAINER_IP),
   ]  # fmt: skip
-  if spec.tools == "local":
+  tier = spec.retrieval
+  if tier is not None:  # the tier's replicas, each on its own port
+    for i, host in enumerate(tier.hosts):
+      cmds.append(Command(argv=("gcloud", "compute", "instances", "describe", host, *_where(spec),
+                                "--format=value(networkInterfaces[0].networkIP)"),
+                          capture=retrieval_ip(i)))  # fmt: skip
+    for host in tier.hosts:
+      script = "; ".join(  # each replica detached with its own log and pid file
+        _background(f"retrieval-{r}", roles.retrieval_argv(lay, spec.retrieval_port + r))
+        for r in range(tier.replicas)
+      )
+      cmds.append(_vm_ssh(spec, host, script))
+  elif spec.tools == "local":
     cmds.append(_ssh(spec, spec.trainer, 0, _background("retrieval", roles.retrieval_argv(lay))))
   index = 0
   for s in spec.serving:
@@ -170,14 +244,18 @@ _ALIVE = (f"for f in {RUN}/pids/*.pid; do [ -e \"$f\" ] || continue; "
 
 
 def status(spec: ClusterSpec) -> list[Command]:
-  return [_state(spec, s) for s in spec.slices] + [
-    _ssh(spec, s, "all", _ALIVE) for s in spec.slices
-  ]
+  return (
+    [_state(spec, s) for s in spec.slices]
+    + [_ssh(spec, s, "all", _ALIVE) for s in spec.slices]
+    + [_vm_ssh(spec, h, _ALIVE) for h in _retrieval_hosts(spec)]
+  )
 
 
 def logs(spec: ClusterSpec, lines: int = 50) -> list[Command]:
   script = f"tail -n {lines} {RUN}/logs/*.log"
-  return [_ssh(spec, s, "all", script) for s in spec.slices]
+  return [_ssh(spec, s, "all", script) for s in spec.slices] + [
+    _vm_ssh(spec, h, script) for h in _retrieval_hosts(spec)
+  ]
 
 
 def stop(spec: ClusterSpec, grace_s: int = 60) -> list[Command]:
@@ -189,7 +267,9 @@ def stop(spec: ClusterSpec, grace_s: int = 60) -> list[Command]:
             f"for i in $(seq {grace_s}); do a=; for p in $ps; do kill -0 \"$p\" 2>/dev/null "
             f"&& a=1; done; [ -z \"$a\" ] && break; sleep 1; done; "
             f"for p in $ps; do kill -9 \"$p\" 2>/dev/null; done; true")  # fmt: skip
-  return [_ssh(spec, s, "all", script) for s in spec.slices]
+  return [_ssh(spec, s, "all", script) for s in spec.slices] + [
+    _vm_ssh(spec, h, script) for h in _retrieval_hosts(spec)
+  ]
 
 
 def fetch(spec: ClusterSpec, to: str) -> list[Command]:
@@ -205,11 +285,15 @@ def fetch(spec: ClusterSpec, to: str) -> list[Command]:
 
 
 def down(spec: ClusterSpec) -> list[Command]:
-  return [
+  cmds = [
     Command(argv=("gcloud", "compute", "tpus", "queued-resources", "delete", s.name,
                   *_where(spec), "--force", "--async", "--quiet"))
     for s in spec.slices
   ]  # fmt: skip
+  if hosts := _retrieval_hosts(spec):  # the VMs only: an index disk outlives the run
+    cmds.append(Command(argv=("gcloud", "compute", "instances", "delete", *hosts, *_where(spec),
+                              "--quiet")))  # fmt: skip
+  return cmds
 
 
 def plan(spec: ClusterSpec, action: str, *, commit: str = "HEAD",

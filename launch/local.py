@@ -22,6 +22,7 @@ A local spec (TOML):
     overlays = ["gin/overlays/recipe_tiny.gin"]
     run_dir = "runs/launch_tiny"
     serving = 2          # serve-model processes
+    retrieval = 1        # retrieval server replicas (tools = "local"), one address dir
     trainers = 2         # trainer processes (jax.distributed: one coordinator, N processes)
     trainer_devices = 2  # fake CPU devices per trainer process (unset: XLA's default, 1)
     tools = "local"      # or "web"
@@ -56,6 +57,9 @@ class LocalSpec:
   overlays: tuple[str, ...] = ()
   run_dir: str
   serving: int = 1
+  # Retrieval server replicas; they announce themselves in one directory, which the trainer's
+  # retrieval client reads and spreads its requests over.
+  retrieval: int = 1
   trainers: int = 1
   # Fake CPU devices per trainer process (ASEARCHER_LOCAL_DEVICE_COUNT: XLA's host platform
   # device count), so N processes simulate a pod of N hosts; None: XLA's default (one device).
@@ -71,7 +75,7 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
   if unknown := sorted(set(d) - known):
     hint = "; a gcloud spec? drop --backend local" if {"project", "zone"} & set(unknown) else ""
     raise SpecError(f"{p}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)}){hint}")
-  for k in ("serving", "trainers", "trainer_devices"):
+  for k in ("serving", "retrieval", "trainers", "trainer_devices"):
     if not isinstance(d.get(k, 1), int) or d.get(k, 1) < 1:
       raise SpecError(f"{p}: {k} must be an integer >= 1, got {d.get(k)!r}")
   if d.get("tools", "local") not in ("local", "web"):
@@ -146,16 +150,23 @@ class Supervisor:
     )
 
   def start(self) -> None:
-    for d in ("logs", "pids", "addresses", "weights", "retrieval"):
-      (self.run / d).mkdir(parents=True, exist_ok=True)
-    if self.spec.tools == "local":
-      self.spawn("retrieval", roles.retrieval_argv(self.lay))
+    self.start_retrieval()
     for i in range(self.spec.serving):
       self.spawn(f"serve-{i}", roles.serve_argv(self.lay, i))
     coordinator = f"127.0.0.1:{_free_port()}"
     for i in range(self.spec.trainers):
       env = roles.trainer_env(coordinator, self.spec.trainers, i, self.spec.trainer_devices)
       self.spawn(f"trainer-{i}", roles.trainer_argv(self.lay), env)
+
+  def start_retrieval(self) -> None:
+    """The retrieval replicas ("retrieval", or "retrieval-0", "retrieval-1", ... for several)."""
+    for d in ("logs", "pids", "addresses", "weights", "retrieval"):
+      (self.run / d).mkdir(parents=True, exist_ok=True)
+    if self.spec.tools != "local":
+      return
+    for i in range(self.spec.retrieval):
+      role = "retrieval" if self.spec.retrieval == 1 else f"retrieval-{i}"
+      self.spawn(role, roles.retrieval_argv(self.lay))
 
   def loop(self, poll_s: float = 0.5, trainer_grace_s: float = 120.0) -> int:
     """Until every trainer process exited, one failed, or a stop: restarts servers that died,

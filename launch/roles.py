@@ -2,7 +2,10 @@
 
 A run has three roles, all configured by one gin experiment (the recipe binds train, serve-model
 and serve-retrieval; see gin/experiments/*.gin):
-  retrieval  `asearcher serve-retrieval` (local tools; web recipes use API keys instead),
+  retrieval  `asearcher serve-retrieval` (local tools; web recipes use API keys instead): one
+             server on trainer worker 0, or a tier of its own (CPU hosts, N replicas each,
+             the index on a disk or copied from the bucket) whose every address the trainer's
+             retrieval client is given and spreads its requests over (round robin),
   serving    `asearcher serve-model` per serving host: announces itself in an address file and
              loads every version the trainer publishes to the weights store,
   trainer    `asearcher train` per trainer worker with remote engines (gin's operative config of
@@ -39,10 +42,14 @@ class Layout:
   checkpoint_dir: str | None = None
   # One address file per serving process (the trainer waits for all of them).
   address_files: tuple[str, ...]
-  # Where the retrieval server announces itself (local backend), or its fixed "host:port" (a
-  # pod: the server binds 0.0.0.0 on trainer worker 0); both None: the recipe uses web tools.
+  # Where the retrieval servers announce themselves (local backend), or their fixed "host:port"s
+  # (a pod: trainer worker 0's server, or every replica of the retrieval tier); both empty: the
+  # recipe uses web tools.
   retrieval_addr_dir: str | None = None
-  retrieval_address: str | None = None
+  retrieval_addresses: tuple[str, ...] = ()
+  # The retrieval servers' index directory and scoring threads; None: the recipe's own.
+  retrieval_index_dir: str | None = None
+  retrieval_workers: int | None = None
   # Interface the servers bind ("0.0.0.0" on a pod's private network, loopback locally).
   host: str = "127.0.0.1"
   # HTTP port of each serve-model (0: a free one, announced in its address file).
@@ -62,12 +69,17 @@ def _q(s: str) -> str:
   return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def retrieval_argv(layout: Layout) -> list[str]:
+def retrieval_argv(layout: Layout, port: int | None = None) -> list[str]:
+  """A retrieval server on `port` (None: the layout's retrieval_port)."""
   args = [
     *layout.asearcher, "serve-retrieval", *_gin(layout),
     f"--gin_param=serve_retrieval.serve.host={_q(layout.host)}",
-    f"--gin_param=serve_retrieval.serve.port={layout.retrieval_port}",
+    f"--gin_param=serve_retrieval.serve.port={layout.retrieval_port if port is None else port}",
   ]  # fmt: skip
+  if layout.retrieval_index_dir is not None:
+    args.append(f"--gin_param=serve_retrieval.serve.index_dir={_q(layout.retrieval_index_dir)}")
+  if layout.retrieval_workers is not None:
+    args.append(f"--gin_param=serve_retrieval.serve.workers={layout.retrieval_workers}")
   if layout.retrieval_addr_dir is not None:
     args.append(f"--gin_param=serve_retrieval.serve.addr_dir={_q(layout.retrieval_addr_dir)}")
   return args
@@ -95,8 +107,9 @@ def trainer_argv(layout: Layout) -> list[str]:
   ]  # fmt: skip
   if layout.checkpoint_dir is not None:
     args.append(f"--gin_param=train_config.TrainConfig.checkpoint_dir={_q(layout.checkpoint_dir)}")
-  if layout.retrieval_address is not None:
-    where = f"search.LocalRetrievalConfig.addresses=({_q(layout.retrieval_address)},)"
+  if layout.retrieval_addresses:
+    addresses = ", ".join(_q(a) for a in layout.retrieval_addresses)
+    where = f"search.LocalRetrievalConfig.addresses=({addresses},)"
   elif layout.retrieval_addr_dir is not None:
     where = f"search.LocalRetrievalConfig.addr_dir={_q(layout.retrieval_addr_dir)}"
   else:
@@ -126,7 +139,7 @@ def role_argvs(layout: Layout) -> dict[str, list[str]]:
   address file) and the trainer."""
   n = len(layout.asearcher)
   out = {}
-  if layout.retrieval_addr_dir is not None or layout.retrieval_address is not None:
+  if layout.retrieval_addr_dir is not None or layout.retrieval_addresses:
     out["retrieval"] = retrieval_argv(layout)[n:]
   if layout.address_files:
     out["serving"] = serve_argv(layout, 0)[n:]

@@ -14,6 +14,13 @@ A spec is a small TOML file (stdlib `tomllib`, no new dependency):
     [serving]
     accelerator_type = "v5p-8"
     count = 2
+    [retrieval]                          # optional: a retrieval tier of its own (CPU VMs)
+    machine_type = "n2-highmem-16"
+    count = 2                            # hosts
+    replicas = 2                         # servers per host, on retrieval_port, +1, ...
+    workers = 8                          # scoring threads per server
+    index = "gs://my-bucket/index/wiki18-tantivy"  # copied to each host at setup, or
+    # index_disk = "wiki18-tantivy"      # a persistent disk holding the index (read-only)
 
 Chips, accelerator-type names and runtime versions follow the Cloud TPU documentation
 (checked 2026-11-25):
@@ -127,6 +134,35 @@ def parse_accelerator(accelerator_type: str, where: str) -> tuple[Chip, int, int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RetrievalTier:
+  """The retrieval service on CPU VMs of its own: `count` hosts, `replicas` servers each."""
+
+  # Resource name prefix of its VMs (<name>-retrieval-<i>).
+  name: str
+  # Compute Engine machine type (https://cloud.google.com/compute/docs/machine-resource).
+  machine_type: str = "n2-highmem-16"
+  # Hosts, and servers per host (ports retrieval_port, retrieval_port + 1, ...).
+  count: int = 1
+  replicas: int = 2
+  # Scoring threads per server (serve_retrieval.serve.workers).
+  workers: int = 4
+  # The index: a gs:// URL (copied to each host's disk at setup: tantivy memory-maps it, which a
+  # bucket mount serves slowly), or None with `index_disk`.
+  index: str | None = None
+  # A persistent disk holding the index at its root, attached read-only to every host (one disk,
+  # many readers) and mounted at INDEX_MOUNT.
+  index_disk: str | None = None
+
+  @property
+  def hosts(self) -> tuple[str, ...]:
+    return tuple(f"{self.name}-{i}" for i in range(self.count))
+
+
+# Where a retrieval host keeps its index (copied from the bucket, or the disk mounted there).
+INDEX_MOUNT = "/mnt/asearcher-index"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
   """A validated spec: one trainer slice and N serving slices of one TPU generation."""
 
@@ -160,6 +196,8 @@ class ClusterSpec:
   # The run's directory under the bucket (None: runs/<name>); `--run_dir` sets it, so that runs
   # one after another on the same slices (a sweep's points) keep their own run dirs.
   run_dir: str | None = None
+  # A retrieval tier of its own; None: one retrieval server on trainer worker 0.
+  retrieval: RetrievalTier | None = None
 
   @property
   def chip(self) -> Chip:
@@ -171,7 +209,8 @@ class ClusterSpec:
 
 
 _TOP_KEYS = {"name", "project", "zone", "bucket", "experiment", "runtime_version", "provisioning",
-             "trainer", "serving", "tools", "serve_port", "retrieval_port", "coordinator_port", "mount"}  # fmt: skip
+             "trainer", "serving", "tools", "serve_port", "retrieval_port", "coordinator_port", "mount",
+             "retrieval"}  # fmt: skip
 
 
 def _str(d: dict, key: str, where: str, default: str | None = None) -> str:
@@ -245,12 +284,41 @@ def from_dict(
   for k, v in ports.items():
     if not isinstance(v, int) or not 0 < v < 65536:
       raise SpecError(f"{source}: {k} must be a TCP port, got {v!r}")
+  retrieval = _retrieval(d.get("retrieval"), source, name, tools)
   return ClusterSpec(
     source=source, name=name, project=_str(d, "project", source), zone=_str(d, "zone", source),
     bucket=bucket.rstrip("/"), experiment=exp, runtime_version=runtime,
     provisioning=provisioning, tools=tools, trainer=trainer, serving=serving,
-    mount=_str(d, "mount", source, "/mnt/asearcher"), **ports,
+    mount=_str(d, "mount", source, "/mnt/asearcher"), retrieval=retrieval, **ports,
   )  # fmt: skip
+
+
+def _retrieval(t: Any, source: str, name: str, tools: str) -> RetrievalTier | None:
+  """The [retrieval] table; SpecError naming the key for any mistake."""
+  if t is None:
+    return None
+  where = f"{source} [retrieval]"
+  if not isinstance(t, dict):
+    raise SpecError(f"{source}: retrieval must be a [retrieval] table, got {t!r}")
+  if tools != "local":
+    raise SpecError(f'{where}: a retrieval tier serves local tools, but tools = "{tools}"')
+  known = {f.name for f in dataclasses.fields(RetrievalTier)} - {"name"}
+  if unknown := sorted(set(t) - known):
+    raise SpecError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)})")
+  for k in ("count", "replicas", "workers"):
+    v = t.get(k, 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise SpecError(f"{where}: {k} must be an integer >= 1, got {v!r}")
+  index, disk = t.get("index"), t.get("index_disk")
+  if (index is None) == (disk is None):
+    raise SpecError(f"{where}: give exactly one of index (a gs:// URL) and index_disk")
+  if index is not None and (not isinstance(index, str) or not index.startswith("gs://")):
+    raise SpecError(f"{where}: index must be a gs:// URL of the index directory, got {index!r}")
+  if disk is not None and (not isinstance(disk, str) or not re.fullmatch(r"[a-z][a-z0-9-]*", disk)):
+    raise SpecError(f"{where}: index_disk must be a disk name, got {disk!r}")
+  return RetrievalTier(name=f"{name}-retrieval", machine_type=_str(t, "machine_type", where,
+                       "n2-highmem-16"), **{k: t[k] for k in ("count", "replicas", "workers")
+                       if k in t}, index=index.rstrip("/") if index else None, index_disk=disk)  # fmt: skip
 
 
 def with_run_dir(spec: ClusterSpec, run_dir: str | None) -> ClusterSpec:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asearcher_jax.tools.retrieval.corpus import default_corpus_paths
-from asearcher_jax.tools.retrieval.index import BM25Config, build_index_dir
+from asearcher_jax.tools.retrieval.index import BM25Config, TantivyConfig, build_index_dir
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ def build_index(
   index_dir: str | None = None,
   backend: str = "bm25",
   bm25: BM25Config = BM25Config(),
+  tantivy: TantivyConfig = TantivyConfig(),
   pages_file: str | None = None,
   encoder: str | None = None,
   force: bool = False,
@@ -46,8 +47,12 @@ def build_index(
       distractors around one's own documents.
     index_dir: where the index goes; None: the shipped corpus's default ($ASEARCHER_HOME or
       ~/.cache/asearcher_jax, index/default-bm25).
-    backend: "bm25" (bm25s, the default) or "dense" (an encoder, see `encoder`).
-    bm25: the BM25 settings (stemmer, stopwords, k1, b, variant; `index.BM25Config.*`).
+    backend: "bm25" (bm25s in memory, the default: corpora up to a few hundred thousand
+      passages), "tantivy" (BM25 on disk, the corpus streamed: wiki-18's 21M passages) or
+      "dense" (an encoder, see `encoder`).
+    bm25: the BM25 settings (stemmer, stopwords, k1, b, variant; `index.BM25Config.*`); tantivy
+      uses the stemmer and stopwords, and Lucene's k1=1.2, b=0.75.
+    tantivy: how a tantivy index is built (writer threads and memory; `index.TantivyConfig.*`).
     pages_file: whole pages for `access` (.jsonl rows {"url", "contents", "title"?}, ASearcher's
       wiki_webpages.jsonl); None: the passages of each URL joined in corpus order.
     encoder: the dense backend's encoder spec.
@@ -65,6 +70,7 @@ def build_index(
     index_dir=out,
     backend=backend,
     bm25=bm25,
+    tantivy=tantivy,
     pages_file=Path(pages_file) if pages_file else None,
     encoder=encoder,
     force=force,

@@ -29,6 +29,9 @@ def serve(
   max_batch: int = 512,
   max_inflight: int = 1024,
   max_request_bytes: int = 1 << 20,
+  workers: int = 2,
+  batch_window_ms: float = 2.0,
+  search_timeout_s: float = 30.0,
   encoder: str | None = None,
 ) -> int:
   """Serves `/retrieve`, `/access` and `/health` until interrupted.
@@ -46,6 +49,9 @@ def serve(
     max_batch: most queries (or urls) one request may carry.
     max_inflight: requests served at once; more get 503.
     max_request_bytes: largest request body in bytes (413 beyond it).
+    workers: threads scoring batches at once (throughput grows with them up to the host's cores).
+    batch_window_ms: under load, how long arriving requests are collected into the next batch.
+    search_timeout_s: a search or page lookup not answered within this is a 503.
     encoder: 'module:factory' of a dense index's query encoder; None: the manifest's.
   """
   if index_dir is None:
@@ -66,6 +72,9 @@ def serve(
     max_batch=max_batch,
     max_inflight=max_inflight,
     max_request_bytes=max_request_bytes,
+    workers=workers,
+    batch_window_ms=batch_window_ms,
+    search_timeout_s=search_timeout_s,
   )
   asyncio.run(run_server(index, config))
   return 0

@@ -109,16 +109,19 @@ class LocalRetrievalClient(SessionOwner):
     return found
 
   def _pick(self, avoid: str | None) -> str:
+    """The server for the next request: round robin over every known server (the replicas of
+    a retrieval tier share the load), skipping `avoid` (the one that just failed)."""
     servers = self.servers()
     if not servers:
       raise aiohttp.ClientConnectionError(
         f"no retrieval server announced in {self.config.addr_dir}"
       )
-    if self._current in servers and self._current != avoid:
-      return self._current
-    others = [s for s in servers if s != avoid] or servers
-    self._current = random.choice(others)
-    return self._current
+    usable = [s for s in servers if s != avoid] or servers
+    if self._current not in usable:  # first call, or the next one in turn failed or left
+      self._current = random.choice(usable)
+    pick = self._current
+    self._current = usable[(usable.index(pick) + 1) % len(usable)]
+    return pick
 
   async def _post(self, path: str, payload: dict[str, Any], stats: CallStats) -> Any:
     failed: list[str | None] = [None]

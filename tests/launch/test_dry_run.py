@@ -21,7 +21,11 @@ from launch.spec import CHIPS, SpecError, load, parse_accelerator
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
-SPECS = {"v5e": REPO / "launch/specs/v5e.toml", "v5p": REPO / "launch/specs/v5p.toml"}
+SPECS = {
+  "v5e": REPO / "launch/specs/v5e.toml",
+  "v5p": REPO / "launch/specs/v5p.toml",
+  "v5p_tier": REPO / "launch/specs/v5p_local_7b_tier.toml",
+}
 
 
 def dry_run(spec: Path, action: str) -> tuple[int, str, str]:
@@ -31,7 +35,7 @@ def dry_run(spec: Path, action: str) -> tuple[int, str, str]:
   return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v5p"])
+@pytest.mark.parametrize("chip", ["v5e", "v5p", "v5p_tier"])
 def test_dry_run_matches_golden(chip):
   text = ""
   for action in gcloud.ACTIONS:
@@ -247,3 +251,50 @@ def test_check_answers_for_many_points_as_start_dry_run_would_in_one_process(tmp
     r = subprocess.run(cmd, input=bad, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("launch check: stdin line 1: want {")
+
+
+def test_a_retrieval_tier_of_its_own():
+  """[retrieval]: CPU VMs with N replicas each; the trainer is given every replica's address
+  (its client spreads requests over them) and trainer worker 0 runs no retrieval server."""
+  spec = load(SPECS["v5p_tier"])
+  assert spec.retrieval.hosts == ("as-local-7b-tier-retrieval-0", "as-local-7b-tier-retrieval-1")
+  start = [str(c) for c in gcloud.start(spec)]
+  servers = [c for c in start if "serve-retrieval" in c]
+  assert len(servers) == 2 and all("compute ssh as-local-7b-tier-retrieval-" in c for c in servers)
+  for c in servers:  # two replicas a host, on consecutive ports, the index on the host's disk
+    assert "serve.port=8000" in c and "serve.port=8001" in c and "serve.workers=8" in c
+    assert c.count("/mnt/asearcher-index") == 2
+  trainers = [c for c in start if "asearcher train" in c]
+  assert len(trainers) == 4
+  want = '("RETRIEVAL0_IP:8000", "RETRIEVAL0_IP:8001", "RETRIEVAL1_IP:8000", "RETRIEVAL1_IP:8001",)'
+  assert all(f"LocalRetrievalConfig.addresses={want}" in c for c in trainers)
+  # Captured IPs are filled in before the commands run.
+  calls: list[list[str]] = []
+
+  def runner(argv):
+    calls.append(argv)
+    if "instances" in argv and "describe" in argv:
+      return f"10.1.0.{argv[4][-1]}\n"
+    return "10.0.0.7\n" if "describe" in argv else ""
+
+  assert gcloud.run(gcloud.start(spec), dry_run=False, out=io.StringIO(), runner=runner) == 0
+  trainer_calls = [" ".join(c) for c in calls if "asearcher train" in " ".join(c)]
+  assert all("10.1.0.0:8001" in c and "10.1.0.1:8000" in c for c in trainer_calls)
+  assert "compute instances delete" in str(gcloud.down(spec)[-1])
+
+
+@pytest.mark.parametrize(
+  "table, message",
+  [
+    ('count = 0\nindex = "gs://b/i"\n', "[retrieval]: count must be an integer >= 1, got 0"),
+    ("replicas = 2\n", "exactly one of index"),
+    ('index = "/local/path"\n', "index must be a gs:// URL"),
+    ('index = "gs://b/i"\nhost = "x"\n', "unknown key(s) host"),
+  ],
+)
+def test_bad_retrieval_tables_fail_with_one_line(tmp_path, table, message):
+  path = tmp_path / "spec.toml"
+  path.write_text(BASE + '[trainer]\naccelerator_type = "v5p-16"\n[serving]\n'
+                  f'accelerator_type = "v5p-8"\n[retrieval]\n{table}')  # fmt: skip
+  rc, out, err = dry_run(path, "up")
+  assert rc == 2 and out == "" and message in err and err.count("\n") == 1, err

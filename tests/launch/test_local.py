@@ -227,3 +227,51 @@ def test_a_killed_trainer_process_ends_the_run(launched):
   assert "trainer-1 exited -9; the trainer program lost a process" in log
   assert "ignored SIGTERM" not in log, log  # trainer 0 honoured it (no JAX preemption trap)
   assert not any(local._alive(p) for p in pids.values() if p != pids["supervisor"]), took
+
+
+@pytest.mark.slow
+def test_two_retrieval_replicas_share_the_requests(tmp_path, monkeypatch):
+  """`retrieval = 2`: two real `asearcher serve-retrieval` processes on loopback, started at once
+  (they build the shipped corpus's default index under one lock: one builds, the other reuses),
+  both announced in the run's address dir; the trainer's retrieval client, given that dir,
+  spreads its searches over both (each server's /health counts some)."""
+  import asyncio
+
+  import aiohttp
+
+  from asearcher_jax.tools.http_retry import CallStats
+  from asearcher_jax.tools.search import LocalRetrievalClient, LocalRetrievalConfig
+
+  monkeypatch.setenv("ASEARCHER_HOME", str(tmp_path / "home"))  # a fresh default index
+  spec = local.LocalSpec(name="t", experiment="gin/experiments/asearcher_local_qwen2_5_7b.gin",
+                         overlays=("gin/overlays/recipe_tiny.gin",), run_dir=str(tmp_path / "r"),
+                         retrieval=2)  # fmt: skip
+  sup = local.Supervisor(spec, tmp_path / "r", ())
+  sup.start_retrieval()
+  try:
+    assert sorted(sup.procs) == ["retrieval-0", "retrieval-1"]
+    addr_dir = tmp_path / "r" / "retrieval"
+    wait_for("two announced servers", lambda: len(list(addr_dir.glob("Host*_IP*.txt"))) == 2, 300)
+    trainer_argv = " ".join(local.roles.trainer_argv(sup.lay))
+    assert f'LocalRetrievalConfig.addr_dir="{addr_dir}"' in trainer_argv
+
+    async def spread() -> list[int]:
+      client = LocalRetrievalClient(LocalRetrievalConfig(addr_dir=str(addr_dir)))
+      try:
+        for q in ("Teutberga", "Lothair II", "demon", "Lilu", "queen", "river") * 2:
+          docs = await asyncio.wait_for(client.search(q, 3, CallStats()), 30)
+          assert docs
+        counts = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+          for address in client.servers():
+            async with s.get(f"http://{address}/health") as resp:
+              counts.append((await resp.json())["requests"]["retrieve"])
+        return counts
+      finally:
+        await client.close()
+
+    counts = asyncio.run(spread())
+    assert len(counts) == 2 and sum(counts) == 12 and min(counts) >= 5, counts
+  finally:
+    sup.teardown(grace_s=20)
+  assert all(p.poll() is not None for p in sup.procs.values())

@@ -1,5 +1,6 @@
-"""Fixtures for the tool tests: one BM25 index of the shipped corpus per session, and helpers
-that start aiohttp apps on 127.0.0.1 (the only network the tests touch)."""
+"""Fixtures for the tool tests: one BM25 index of the shipped corpus per session and backend
+(bm25s; tantivy), and helpers that start aiohttp apps on 127.0.0.1 (the only network the tests
+touch). `backend_index` / `backend_server` run a test once per BM25 backend."""
 
 from __future__ import annotations
 
@@ -27,6 +28,29 @@ def shipped_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def shipped_index(shipped_index_dir: Path) -> LoadedIndex:
   return load_index(shipped_index_dir)
+
+
+@pytest.fixture(scope="session")
+def tantivy_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+  out = tmp_path_factory.mktemp("index") / "default-tantivy"
+  build_index_dir(
+    corpus=default_corpus_paths(), index_dir=out, backend="tantivy", show_progress=False
+  )
+  return out
+
+
+@pytest.fixture(scope="session")
+def tantivy_index(tantivy_index_dir: Path) -> LoadedIndex:
+  return load_index(tantivy_index_dir)
+
+
+BM25_BACKENDS = ("bm25", "tantivy")
+
+
+@pytest.fixture(params=BM25_BACKENDS)
+def backend_index(request: pytest.FixtureRequest) -> LoadedIndex:
+  """The shipped corpus's index on each BM25 backend in turn."""
+  return request.getfixturevalue("shipped_index" if request.param == "bm25" else "tantivy_index")
 
 
 class LocalApp:
@@ -71,6 +95,17 @@ async def serve_app() -> AsyncIterator:
 async def retrieval_server(shipped_index: LoadedIndex, tmp_path: Path) -> AsyncIterator:
   server = RetrievalServer(
     shipped_index, RetrievalServerConfig(port=0, addr_dir=str(tmp_path / "addrs"))
+  )
+  await asyncio.wait_for(server.start(), 10)
+  yield server
+  await asyncio.wait_for(server.stop(), 10)
+
+
+@pytest.fixture
+async def backend_server(backend_index: LoadedIndex, tmp_path: Path) -> AsyncIterator:
+  """A retrieval server over `backend_index` (each BM25 backend in turn)."""
+  server = RetrievalServer(
+    backend_index, RetrievalServerConfig(port=0, addr_dir=str(tmp_path / "addrs"))
   )
   await asyncio.wait_for(server.start(), 10)
   yield server

@@ -36,9 +36,9 @@ async def _post(url: str, payload, *, raw: bytes | None = None) -> tuple[int, ob
       return resp.status, await resp.json(content_type=None)
 
 
-async def test_wire_format_as_the_asearcher_client_uses_it(retrieval_server, shipped_index):
+async def test_wire_format_as_the_asearcher_client_uses_it(backend_server, backend_index):
   """Plain JSON, exactly the fields and shapes ASearcher's `search_utils` client sends and reads."""
-  base = _base(retrieval_server)
+  base = _base(backend_server)
   query = "If Gallu is a demon Lilu is what?"
   req_meta = {"queries": [query], "topk": 5, "return_scores": False}
   status, body = await _post(base + "/retrieve", req_meta)
@@ -50,7 +50,7 @@ async def test_wire_format_as_the_asearcher_client_uses_it(retrieval_server, shi
   assert all(u.startswith("https://en.wikipedia.org/w/index.php?title=") for u in urls)
   assert "Lilu (mythology)" in {doc["title"] for doc in body["result"][0]}
   # The same rows an in-process search gives.
-  assert body["result"] == retrieve_rows(shipped_index, [query], 5)
+  assert body["result"] == retrieve_rows(backend_index, [query], 5)
 
   # Search-R1's client: several queries, return_scores=True -> [{"document", "score"}].
   status, body = await _post(
@@ -88,9 +88,9 @@ async def test_wire_format_as_the_asearcher_client_uses_it(retrieval_server, shi
   assert body["result"][2] is None
 
 
-async def test_a_blocking_stdlib_client_works_too(retrieval_server):
+async def test_a_blocking_stdlib_client_works_too(backend_server):
   """`requests`-style synchronous clients (urllib here) get the same JSON."""
-  url = _base(retrieval_server) + "/retrieve"
+  url = _base(backend_server) + "/retrieve"
   data = json.dumps({"queries": ["Teutberga queen"], "topk": 2}).encode()
 
   def call() -> dict:
@@ -102,23 +102,25 @@ async def test_a_blocking_stdlib_client_works_too(retrieval_server):
   assert body["result"][0][0]["title"] == "Teutberga"
 
 
-async def test_health_and_address_file(retrieval_server, tmp_path: Path):
+async def test_health_and_address_file(backend_server, tmp_path: Path):
   async with (
     aiohttp.ClientSession(timeout=TIMEOUT) as s,
-    s.get(_base(retrieval_server) + "/health") as resp,
+    s.get(_base(backend_server) + "/health") as resp,
   ):
     health = await resp.json()
-  assert health["status"] == "ok" and health["passages"] == 8113 and health["backend"] == "bm25"
+  assert health["status"] == "ok" and health["passages"] == 8113
+  assert health["backend"] == backend_server.index.manifest["backend"]
+  assert health["pages"] == 7583 and health["workers"] == 2
   assert len(health["corpus_sha256"]) == 64
-  addr_file = retrieval_server.addr_file
-  assert addr_file.name == f"Host127.0.0.1_IP{retrieval_server.port}.txt"
-  assert read_address_files(addr_file.parent) == [f"127.0.0.1:{retrieval_server.port}"]
-  await asyncio.wait_for(retrieval_server.stop(), 10)
+  addr_file = backend_server.addr_file
+  assert addr_file.name == f"Host127.0.0.1_IP{backend_server.port}.txt"
+  assert read_address_files(addr_file.parent) == [f"127.0.0.1:{backend_server.port}"]
+  await asyncio.wait_for(backend_server.stop(), 10)
   assert not addr_file.exists()  # a stopped server is no longer announced
 
 
-async def test_malformed_requests_get_400_and_the_server_keeps_serving(retrieval_server):
-  base = _base(retrieval_server)
+async def test_malformed_requests_get_400_and_the_server_keeps_serving(backend_server):
+  base = _base(backend_server)
   cases = [
     (b"{not json", "malformed JSON"),
     (b"\xff\xfe garbage", "malformed JSON"),
@@ -154,7 +156,7 @@ async def test_malformed_requests_get_400_and_the_server_keeps_serving(retrieval
   # Still serving, and the bad requests were counted.
   status, body = await _post(base + "/retrieve", {"queries": ["Teutberga"], "topk": 1})
   assert status == 200 and body["result"][0][0]["title"] == "Teutberga"
-  assert retrieval_server.requests["bad_request"] == len(cases) + 3
+  assert backend_server.requests["bad_request"] == len(cases) + 3
   # Empty query list and empty query are valid: nothing found.
   status, body = await _post(base + "/retrieve", {"queries": []})
   assert status == 200 and body == {"result": []}
@@ -163,13 +165,13 @@ async def test_malformed_requests_get_400_and_the_server_keeps_serving(retrieval
 
 
 async def test_concurrent_requests_are_micro_batched_with_correct_results(
-  retrieval_server, shipped_index
+  backend_server, backend_index
 ):
-  base = _base(retrieval_server)
+  base = _base(backend_server)
   queries = [
     f"{w} history" for w in ("Lothair", "queen", "demon", "mythology", "film", "river")
   ] * 10
-  expected = {q: retrieve_rows(shipped_index, [q], 4)[0] for q in set(queries)}
+  expected = {q: retrieve_rows(backend_index, [q], 4)[0] for q in set(queries)}
   async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
 
     async def one(q: str, k: int):
@@ -183,13 +185,13 @@ async def test_concurrent_requests_are_micro_batched_with_correct_results(
     )
   for q, k, rows in results:
     assert rows == expected[q][:k]
-  batcher = retrieval_server._batcher
+  batcher = backend_server._batcher
   assert batcher.queries >= len(queries)
   assert batcher.batches < len(queries)  # some requests shared a scoring call
 
 
-async def test_too_many_inflight_requests_get_503(shipped_index):
-  server = RetrievalServer(shipped_index, RetrievalServerConfig(port=0, max_inflight=1))
+async def test_too_many_inflight_requests_get_503(backend_index):
+  server = RetrievalServer(backend_index, RetrievalServerConfig(port=0, max_inflight=1))
   await asyncio.wait_for(server.start(), 10)
   try:
     gate = threading.Event()

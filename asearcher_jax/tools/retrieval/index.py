@@ -1,20 +1,29 @@
-"""Search indexes over passages: BM25 (bm25s, the default) and dense (optional), one interface.
+"""Search indexes over passages: BM25 (bm25s, the default; tantivy for large corpora) and dense
+(optional), one interface.
 
-An index directory holds `manifest.json` (backend, settings, corpus checksum), `passages.jsonl`,
-`pages.jsonl` and the backend's own files, so a server needs nothing but the directory.
+A backend is a small class with `search_batch(queries, k) -> [Hits]` over passage indices and a
+`num_docs`; the passages and pages it serves are reached by index (`LoadedIndex.passages[i]`) and
+by URL (`LoadedIndex.pages.get(url)`), in memory for bm25s and dense, on disk for tantivy.
+An index directory holds `manifest.json` (backend, settings, corpus checksum) and the backend's
+files: `passages.jsonl` + `pages.jsonl` + its arrays for bm25s/dense (small corpora, loaded into
+memory), the tantivy index directories for tantivy (memory-mapped, the corpus streamed in), so a
+server needs nothing but the directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib
+import itertools
 import json
 import logging
 import re
 import sys
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -22,6 +31,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from asearcher_jax.tools.retrieval.corpus import CorpusError, PageStore, Passage
+from asearcher_jax.tools.retrieval.tantivy_index import (
+  PAGES_DIR,
+  PASSAGES_DIR,
+  TantivyConfig,
+  TantivyPages,
+  TantivyPassages,
+  TantivyRetriever,
+)
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -94,12 +111,37 @@ class BM25Config:
       raise ValueError(f"method {self.method!r} is not one of {typing.get_args(Bm25Method)}")
 
 
+# The index backends `build_index_dir` knows: bm25s in memory (small corpora, the default),
+# tantivy on disk (large corpora), dense (a user-supplied encoder).
+BACKENDS = ("bm25", "tantivy", "dense")
+# A search hit with its document row (`Passage.to_row()`), as the server returns it.
+RowHits = list[tuple[dict[str, str], float]]
+
+
 class Retriever(Protocol):
-  """What the server needs from an index: batched top-k over passage indices."""
+  """What the server needs from an index: batched top-k over passage indices. Several threads
+  may call `search_batch` at once (the server's workers)."""
 
   backend: str
+  num_docs: int
 
   def search_batch(self, queries: Sequence[str], k: int) -> list[Hits]: ...
+
+
+class Passages(Protocol):
+  """Passages by corpus position (a list for in-memory backends, stored fields for tantivy)."""
+
+  def __len__(self) -> int: ...
+
+  def __getitem__(self, i: int) -> Passage: ...
+
+
+class Pages(Protocol):
+  """Whole pages by URL (any spelling `corpus.page_key` unifies)."""
+
+  def __len__(self) -> int: ...
+
+  def get(self, url: str) -> dict[str, str] | None: ...
 
 
 _TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")  # bm25s's default splitter
@@ -283,9 +325,18 @@ class LoadedIndex:
   """Everything a server needs: the retriever, the passages it indexes, pages and the manifest."""
 
   retriever: Retriever
-  passages: list[Passage]
-  pages: PageStore
+  passages: Passages
+  pages: Pages
   manifest: dict[str, Any]
+
+  def search_rows(self, queries: Sequence[str], k: int) -> list[RowHits]:
+    """Top-k documents with scores for each query: the retriever's own pass when it reads
+    documents as it searches (tantivy), else its hits looked up in `passages`."""
+    direct = getattr(self.retriever, "search_rows", None)
+    if direct is not None:
+      return direct(queries, k)
+    hits = self.retriever.search_batch(queries, k)
+    return [[(self.passages[i].to_row(), s) for i, s in h] for h in hits]
 
 
 def write_index(
@@ -303,10 +354,7 @@ def write_index(
       f.write(json.dumps(dataclasses.asdict(p), ensure_ascii=False) + "\n")
   pages.save(directory / "pages.jsonl")
   retriever.save(directory)
-  manifest = {"format_version": FORMAT_VERSION, **manifest}
-  tmp = directory / (MANIFEST + ".tmp")
-  tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-  tmp.replace(directory / MANIFEST)
+  _write_manifest(directory, manifest)
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
@@ -331,11 +379,27 @@ def load_index(directory: Path, *, encoder: Encoder | None = None) -> LoadedInde
   if manifest.get("format_version") != FORMAT_VERSION:
     raise CorpusError(f"{directory}: index format {manifest.get('format_version')} is unsupported")
   t0 = time.perf_counter()
+  if manifest["backend"] == "tantivy":
+    bm25 = manifest["bm25"]
+    tantivy = TantivyRetriever(
+      directory / PASSAGES_DIR, stemmer=bm25["stemmer"], stopwords=bm25["stopwords"]
+    )
+    if tantivy.num_docs != manifest["num_passages"]:
+      raise CorpusError(
+        f"{directory}: the manifest records {manifest['num_passages']} passages but the tantivy "
+        f"index holds {tantivy.num_docs} (rebuild it with `asearcher index`)"
+      )
+    pages_dir = directory / PAGES_DIR if manifest.get("pages_file") else None
+    pages = TantivyPages(tantivy, pages_dir, manifest["num_pages"])
+    manifest = {**manifest, "load_s": round(time.perf_counter() - t0, 3)}
+    return LoadedIndex(
+      retriever=tantivy, passages=TantivyPassages(tantivy), pages=pages, manifest=manifest
+    )
   passages = []
   with open(directory / "passages.jsonl", encoding="utf-8") as f:
     for line in f:
       passages.append(Passage(**json.loads(line)))
-  pages = PageStore.from_file(directory / "pages.jsonl")
+  page_store = PageStore.from_file(directory / "pages.jsonl")
   if manifest["backend"] == "bm25":
     retriever: Retriever = BM25Retriever.load(directory, BM25Config(**manifest["bm25"]))
   elif manifest["backend"] == "dense":
@@ -349,7 +413,33 @@ def load_index(directory: Path, *, encoder: Encoder | None = None) -> LoadedInde
       f"{directory}: {len(passages)} passages but the index holds a different count"
     )
   manifest = {**manifest, "load_s": round(time.perf_counter() - t0, 3)}
-  return LoadedIndex(retriever=retriever, passages=passages, pages=pages, manifest=manifest)
+  return LoadedIndex(retriever=retriever, passages=passages, pages=page_store, manifest=manifest)
+
+
+@contextlib.contextmanager
+def _build_lock(index_dir: Path) -> Iterator[None]:
+  """One builder per index directory at a time (replicas of a server started together would
+  otherwise build the same default index over each other); the others wait, then reuse it."""
+  index_dir.parent.mkdir(parents=True, exist_ok=True)
+  with open(index_dir.parent / f".{index_dir.name}.lock", "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _stream_passages(paths: Sequence[Path]) -> Iterator[Passage]:
+  """Every passage of the files in order, one at a time (never a list of the corpus)."""
+  from asearcher_jax.tools.retrieval.corpus import iter_passages
+
+  return itertools.chain.from_iterable(iter_passages(p) for p in paths)
+
+
+def _stream_pages(path: Path) -> Iterator[dict[str, str]]:
+  from asearcher_jax.tools.retrieval.corpus import iter_page_rows
+
+  return iter_page_rows(path)
 
 
 def build_index_dir(
@@ -358,57 +448,114 @@ def build_index_dir(
   index_dir: Path,
   backend: str = "bm25",
   bm25: BM25Config = BM25Config(),
+  tantivy: TantivyConfig = TantivyConfig(),
   pages_file: Path | None = None,
   encoder: str | None = None,
   force: bool = False,
   show_progress: bool = True,
 ) -> dict[str, Any]:
-  """Builds (or keeps, when corpus checksum and settings match) an index; returns its manifest."""
+  """Builds (or keeps, when corpus checksum and settings match) an index; returns its manifest.
+
+  `tantivy` sets how a tantivy index is built (writer threads and memory), not what it holds, so
+  it is not among the settings that decide reuse.
+  """
   from asearcher_jax.tools.retrieval.corpus import corpus_sha256, load_passages
 
   corpus = [Path(p) for p in corpus]
   for path in [*corpus, *([Path(pages_file)] if pages_file else [])]:
     if not path.exists():
       raise CorpusError(f"corpus file not found: {path}")
-  if backend not in ("bm25", "dense"):
-    raise CorpusError(f"unknown index backend {backend!r} (expected 'bm25' or 'dense')")
+  if backend not in BACKENDS:
+    raise CorpusError(f"unknown index backend {backend!r} (expected one of {', '.join(BACKENDS)})")
   if backend == "dense" and not encoder:
     raise CorpusError("the dense backend needs an encoder ('module:factory')")
-  checksum = corpus_sha256(corpus + ([Path(pages_file)] if pages_file else []))
-  settings: dict[str, Any] = {"backend": backend}
-  if backend == "bm25":
-    settings["bm25"] = dataclasses.asdict(bm25)
-  else:
-    settings["encoder"] = encoder
   index_dir = Path(index_dir)
-  old = read_manifest(index_dir)
-  if (
-    not force
-    and old is not None
-    and old.get("format_version") == FORMAT_VERSION
-    and old.get("corpus_sha256") == checksum
-    and all(old.get(k) == v for k, v in settings.items())
-  ):
-    return {**old, "reused": True}
-  t0 = time.perf_counter()
-  passages = load_passages(corpus)
-  pages = PageStore.from_file(Path(pages_file)) if pages_file else PageStore.from_passages(passages)
-  texts = [p.contents for p in passages]
-  if backend == "bm25":
-    retriever: BM25Retriever | DenseRetriever = BM25Retriever.build(
-      texts, bm25, show_progress=show_progress
+  with _build_lock(index_dir):
+    checksum = corpus_sha256(corpus + ([Path(pages_file)] if pages_file else []))
+    settings: dict[str, Any] = {"backend": backend}
+    if backend in ("bm25", "tantivy"):
+      settings["bm25"] = dataclasses.asdict(bm25)
+    else:
+      settings["encoder"] = encoder
+    old = read_manifest(index_dir)
+    if (
+      not force
+      and old is not None
+      and old.get("format_version") == FORMAT_VERSION
+      and old.get("corpus_sha256") == checksum
+      and all(old.get(k) == v for k, v in settings.items())
+    ):
+      return {**old, "reused": True}
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {
+      **settings,
+      "corpus_files": [str(p) for p in corpus],
+      "pages_file": str(pages_file) if pages_file else None,
+      "corpus_sha256": checksum,
+    }
+    if backend == "tantivy":
+      info |= _build_tantivy(corpus, index_dir, bm25, tantivy, pages_file)
+      info |= {"build_s": round(time.perf_counter() - t0, 3), "created_unix": int(time.time())}
+      _write_manifest(index_dir, info)
+      return {**info, "format_version": FORMAT_VERSION, "reused": False}
+    passages = load_passages(corpus)
+    pages = (
+      PageStore.from_file(Path(pages_file)) if pages_file else PageStore.from_passages(passages)
     )
-  else:
-    retriever = DenseRetriever.build(texts, load_encoder(encoder), show_progress=show_progress)
-  manifest = {
-    **settings,
-    "corpus_files": [str(p) for p in corpus],
-    "pages_file": str(pages_file) if pages_file else None,
-    "corpus_sha256": checksum,
-    "num_passages": len(passages),
-    "num_pages": len(pages),
-    "build_s": round(time.perf_counter() - t0, 3),
-    "created_unix": int(time.time()),
+    texts = [p.contents for p in passages]
+    if backend == "bm25":
+      retriever: BM25Retriever | DenseRetriever = BM25Retriever.build(
+        texts, bm25, show_progress=show_progress
+      )
+    else:
+      retriever = DenseRetriever.build(texts, load_encoder(encoder), show_progress=show_progress)
+    info |= {
+      "num_passages": len(passages),
+      "num_pages": len(pages),
+      "build_s": round(time.perf_counter() - t0, 3),
+      "created_unix": int(time.time()),
+    }
+    write_index(index_dir, retriever, passages, pages, info)
+    return {**info, "format_version": FORMAT_VERSION, "reused": False}
+
+
+def _build_tantivy(
+  corpus: Sequence[Path],
+  index_dir: Path,
+  bm25: BM25Config,
+  config: TantivyConfig,
+  pages_file: Path | None,
+) -> dict[str, Any]:
+  """The corpus streamed into tantivy (and a pages file into its own index); counts and the
+  settings the index was built with, for the manifest."""
+  import shutil
+
+  from asearcher_jax.tools.retrieval import tantivy_index
+
+  index_dir.mkdir(parents=True, exist_ok=True)
+  (index_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted build leaves no valid index
+  for name in (PASSAGES_DIR, PAGES_DIR):
+    shutil.rmtree(index_dir / name, ignore_errors=True)
+  n, num_pages = tantivy_index.build_passages(
+    _stream_passages(corpus),
+    index_dir / PASSAGES_DIR,
+    stemmer=bm25.stemmer,
+    stopwords=bm25.stopwords,
+    config=config,
+  )
+  if pages_file:
+    num_pages = tantivy_index.build_pages(_stream_pages(Path(pages_file)), index_dir / PAGES_DIR,
+                                          config)  # fmt: skip
+  return {
+    "num_passages": n,
+    "num_pages": num_pages,
+    "tantivy": dataclasses.asdict(config),
+    "scoring": "tantivy BM25 (Lucene's k1=1.2, b=0.75)",
   }
-  write_index(index_dir, retriever, passages, pages, manifest)
-  return {**manifest, "format_version": FORMAT_VERSION, "reused": False}
+
+
+def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+  manifest = {"format_version": FORMAT_VERSION, **manifest}
+  tmp = directory / (MANIFEST + ".tmp")
+  tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+  tmp.replace(directory / MANIFEST)

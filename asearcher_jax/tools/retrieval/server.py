@@ -1,9 +1,12 @@
 """The local retrieval server: `/retrieve`, `/access`, `/health` over aiohttp.
 
 Wire-compatible with ASearcher's and Search-R1's servers (same request fields, same
-`{"result": ...}` shapes), so their clients work against it unchanged. Unlike them it does not
-serialise every request behind one lock: concurrent `/retrieve` requests are micro-batched into one
-scoring call on a worker thread, so the event loop keeps accepting while the index is searched.
+`{"result": ...}` shapes), so their clients work against it unchanged, whatever the backend.
+Unlike them it does not serialise every request behind one lock: concurrent `/retrieve` requests
+are collected for a short window, then scored as one batch split over `workers` threads (tantivy
+and numpy release the GIL while they score), so the event loop keeps accepting while the index is
+searched and throughput grows with the workers. `/access` page lookups run on the same threads
+(an on-disk page store reads from disk).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -24,7 +28,7 @@ from aiohttp import web
 
 from asearcher_jax import http_guard
 from asearcher_jax.tools.retrieval.discovery import write_address_file
-from asearcher_jax.tools.retrieval.index import Hits, LoadedIndex
+from asearcher_jax.tools.retrieval.index import LoadedIndex, RowHits
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +55,29 @@ class RetrievalServerConfig:
   max_request_bytes: int = 1 << 20
   # Requests being served at once; more get 503 so a flood cannot grow memory without bound.
   max_inflight: int = 1024
-  # Most queries scored in one worker-thread call (micro-batch).
+  # Most queries scored in one batch (split over the workers).
   micro_batch: int = 256
+  # Threads that score batches (and look up pages) at once; tantivy and numpy release the GIL.
+  workers: int = 2
+  # While a batch is being scored, requests arriving within this many ms join the next batch
+  # together; a request that finds the server idle is scored at once (no added latency).
+  batch_window_ms: float = 2.0
+  # A search or page lookup not answered within this is a 503 (the client retries elsewhere).
+  search_timeout_s: float = 30.0
   # A connection whose request headers have not arrived within this is closed (slow clients).
   header_timeout_s: float = 15.0
   # A request body that has not fully arrived within this is answered with 408.
   body_timeout_s: float = 30.0
+
+  def __post_init__(self):
+    for name in ("workers", "micro_batch", "max_batch", "max_inflight", "max_topk"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not self.batch_window_ms >= 0:
+      raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms!r}")
+    if not self.search_timeout_s > 0:
+      raise ValueError(f"search_timeout_s must be > 0, got {self.search_timeout_s!r}")
 
 
 class RequestError(ValueError):
@@ -117,53 +138,103 @@ def parse_access(body: Any, config: RetrievalServerConfig) -> list[str]:
   return urls
 
 
-class MicroBatcher:
-  """Coalesces concurrent searches into one `search_batch` call on a single worker thread.
+class SearchTimeout(Exception):
+  """A search or lookup that outlived `search_timeout_s`; answered with 503."""
 
-  While one batch is being scored, newly arrived requests queue up; the next batch takes them all
-  (up to `max_queries`). A lone request is scored at once, so batching adds no latency at low load.
+
+class MicroBatcher:
+  """Coalesces concurrent searches into batches scored by up to `workers` threads at once.
+
+  A request that finds every worker idle starts a batch at once. Otherwise requests queue: when
+  a worker frees up, the queue is given `window_s` more to fill, then taken whole (up to
+  `max_queries`) and split, by request, over the free workers. One `search_batch` call per
+  chunk; each request's futures resolve as soon as its own chunk is scored.
   """
 
-  def __init__(self, search_batch, executor: ThreadPoolExecutor, max_queries: int) -> None:
+  def __init__(
+    self,
+    search_batch,
+    executor: ThreadPoolExecutor,
+    max_queries: int,
+    *,
+    workers: int = 1,
+    window_s: float = 0.0,
+  ) -> None:
     self._search_batch = search_batch
     self._executor = executor
     self._max_queries = max_queries
+    self._workers = workers
+    self._window_s = window_s
     self._pending: collections.deque[tuple[list[str], int, asyncio.Future]] = collections.deque()
+    self._busy = 0
+    self._freed = asyncio.Event()
     self._drainer: asyncio.Task | None = None
     self.batches = 0
     self.queries = 0
 
-  async def search(self, queries: list[str], k: int) -> list[Hits]:
+  async def search(self, queries: list[str], k: int, timeout_s: float = 30.0) -> list[RowHits]:
     fut = asyncio.get_running_loop().create_future()
     self._pending.append((queries, k, fut))
     if self._drainer is None or self._drainer.done():
       self._drainer = asyncio.create_task(self._drain())
-    return await fut
+    try:
+      return await asyncio.wait_for(fut, timeout_s)
+    except TimeoutError:
+      raise SearchTimeout(f"search not answered within {timeout_s:g} s") from None
 
   async def _drain(self) -> None:
-    loop = asyncio.get_running_loop()
     while self._pending:
-      batch, n = [], 0
-      while self._pending and (not batch or n + len(self._pending[0][0]) <= self._max_queries):
-        item = self._pending.popleft()
-        batch.append(item)
-        n += len(item[0])
-      flat = [q for queries, _, _ in batch for q in queries]
-      k = max(k for _, k, _ in batch)
-      try:
-        hits = await loop.run_in_executor(self._executor, self._search_batch, flat, k)
-      except Exception as e:  # a scoring bug fails these requests (500), not the server
-        for _, _, fut in batch:
-          if not fut.done():
-            fut.set_exception(e)
+      if self._busy >= self._workers:
+        self._freed.clear()
+        with contextlib.suppress(TimeoutError):  # re-checked every second, never stuck
+          await asyncio.wait_for(self._freed.wait(), 1.0)
         continue
-      self.batches += 1
-      self.queries += len(flat)
-      start = 0
-      for queries, k_req, fut in batch:
-        if not fut.done():  # the client may have gone away
-          fut.set_result([h[:k_req] for h in hits[start : start + len(queries)]])
-        start += len(queries)
+      if self._busy and self._window_s > 0:  # under load: let the next batch fill
+        await asyncio.sleep(self._window_s)
+      self._dispatch(self._workers - self._busy)
+
+  def _dispatch(self, free: int) -> None:
+    batch, n = [], 0
+    while self._pending and (not batch or n + len(self._pending[0][0]) <= self._max_queries):
+      item = self._pending.popleft()
+      batch.append(item)
+      n += len(item[0])
+    # Split by request into up to `free` chunks of about n / free queries each.
+    chunks, chunk, size, target = [], [], 0, -(-n // min(free, len(batch)))
+    for item in batch:
+      chunk.append(item)
+      size += len(item[0])
+      if size >= target:
+        chunks.append(chunk)
+        chunk, size = [], 0
+    if chunk:
+      chunks.append(chunk)
+    loop = asyncio.get_running_loop()
+    for chunk in chunks:
+      flat = [q for queries, _, _ in chunk for q in queries]
+      k = max(k for _, k, _ in chunk)
+      self._busy += 1
+      done = loop.run_in_executor(self._executor, self._search_batch, flat, k)
+      done.add_done_callback(functools.partial(self._finish, chunk=chunk, n=len(flat)))
+
+  def _finish(self, done: asyncio.Future, *, chunk: list, n: int) -> None:
+    self._busy -= 1
+    self._freed.set()
+    if done.cancelled() or done.exception() is not None:
+      # a scoring bug fails these requests (500), not the server
+      error = RuntimeError("search cancelled") if done.cancelled() else done.exception()
+      for _, _, fut in chunk:
+        if not fut.done():
+          fut.set_exception(error)
+      return
+    hits = done.result()
+    self.batches += 1
+    self.queries += n
+    start = 0
+    for queries, k_req, fut in chunk:
+      if not fut.done():  # the client may have gone away
+        fut.set_result([h[:k_req] for h in hits[start : start + len(queries)]])
+      start += len(queries)
 
 
 class RetrievalServer:
@@ -172,9 +243,14 @@ class RetrievalServer:
   def __init__(self, index: LoadedIndex, config: RetrievalServerConfig) -> None:
     self.index = index
     self.config = config
-    self._rows = [p.to_row() for p in index.passages]
-    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval")
-    self._batcher = MicroBatcher(index.retriever.search_batch, self._executor, config.micro_batch)
+    self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="retrieval")
+    self._batcher = MicroBatcher(
+      index.search_rows,
+      self._executor,
+      config.micro_batch,
+      workers=config.workers,
+      window_s=config.batch_window_ms / 1000,
+    )
     self._inflight = 0
     self._runner: web.AppRunner | None = None
     self.port: int | None = None
@@ -215,6 +291,9 @@ class RetrievalServer:
     except http_guard.SlowBody as e:
       self.requests["bad_request"] += 1
       return _json_error(408, str(e))
+    except SearchTimeout as e:
+      self.requests["busy"] += 1
+      return _json_error(503, str(e))
     except web.HTTPException:
       raise  # e.g. 413 for an oversized body
     except Exception as e:
@@ -227,12 +306,12 @@ class RetrievalServer:
   async def _retrieve(self, request: web.Request) -> web.StreamResponse:
     async def handle(body: Any) -> web.Response:
       queries, topk, return_scores = parse_retrieve(body, self.config)
-      hits = await self._batcher.search(queries, topk) if queries else []
-      rows = self._rows
+      timeout = self.config.search_timeout_s
+      hits = await self._batcher.search(queries, topk, timeout) if queries else []
       if return_scores:
-        result = [[{"document": rows[i], "score": s} for i, s in h] for h in hits]
+        result = [[{"document": row, "score": s} for row, s in h] for h in hits]
       else:
-        result = [[rows[i] for i, _ in h] for h in hits]
+        result = [[row for row, _ in h] for h in hits]
       return web.json_response({"result": result})
 
     return await self._guarded("retrieve", request, handle)
@@ -240,7 +319,18 @@ class RetrievalServer:
   async def _access(self, request: web.Request) -> web.StreamResponse:
     async def handle(body: Any) -> web.Response:
       urls = parse_access(body, self.config)
-      return web.json_response({"result": [self.index.pages.get(u) for u in urls]})
+      if not urls:
+        return web.json_response({"result": []})
+      lookup = asyncio.get_running_loop().run_in_executor(
+        self._executor, lambda: [self.index.pages.get(u) for u in urls]
+      )
+      try:
+        pages = await asyncio.wait_for(lookup, self.config.search_timeout_s)
+      except TimeoutError:
+        raise SearchTimeout(
+          f"access not answered within {self.config.search_timeout_s:g} s"
+        ) from None
+      return web.json_response({"result": pages})
 
     return await self._guarded("access", request, handle)
 
@@ -250,7 +340,8 @@ class RetrievalServer:
       {
         "status": "ok",
         "backend": m.get("backend"),
-        "passages": len(self._rows),
+        "passages": len(self.index.passages),
+        "workers": self.config.workers,
         "pages": len(self.index.pages),
         "corpus_sha256": m.get("corpus_sha256"),
         "requests": self.requests,
@@ -274,7 +365,7 @@ class RetrievalServer:
       "retrieval server on http://%s:%d (%d passages, %d pages)",
       self.config.host,
       self.port,
-      len(self._rows),
+      len(self.index.passages),
       len(self.index.pages),
     )
     return self.port
@@ -313,6 +404,4 @@ async def run_server(index: LoadedIndex, config: RetrievalServerConfig) -> None:
 
 def retrieve_rows(index: LoadedIndex, queries: Sequence[str], k: int) -> list[list[dict]]:
   """In-process search returning the same rows as the server (for scripts and tests)."""
-  return [
-    [index.passages[i].to_row() for i, _ in h] for h in index.retriever.search_batch(queries, k)
-  ]
+  return [[row for row, _ in h] for h in index.search_rows(queries, k)]
