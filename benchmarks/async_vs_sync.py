@@ -214,6 +214,8 @@ class Workload:
   # DriverConfig.yield_to_learner: the engine thread pauses while the learner steps ("auto": on
   # CPU, where the two share the cores).
   yield_to_learner: str = "auto"
+  # DriverConfig.yield_share: the engine's share of the time while the learner steps.
+  yield_share: float = DriverConfig().yield_share
   # Batches per mode whose learner step is timed again alone afterwards (`learner_alone`);
   # 0: none.
   alone_steps: int = 5
@@ -317,6 +319,7 @@ def driver_config(w: Workload) -> DriverConfig:
     kv_on_update="recompute" if w.kv_on_update == "both" else w.kv_on_update,
     thread_nice=w.engine_nice,
     yield_to_learner=w.yield_to_learner,
+    yield_share=w.yield_share,
   )
 
 
@@ -721,6 +724,10 @@ def parse(argv: list[str] | None) -> Workload:
     "--yield-to-learner", choices=("auto", "on", "off"), default=d.yield_to_learner,
     help="the engine thread pauses while the learner steps (DriverConfig.yield_to_learner)",
   )  # fmt: skip
+  p.add_argument(
+    "--yield-share", type=float, default=d.yield_share,
+    help="the engine's share of the time while the learner steps (DriverConfig.yield_share)",
+  )  # fmt: skip
   p.add_argument("--verbose", action="store_true", help="log every training step")
   p.add_argument(
     "--no-warmup", action="store_true",
@@ -754,7 +761,7 @@ def parse(argv: list[str] | None) -> Workload:
     prefix_reuse=not a.no_prefix_reuse, kv_on_update=a.kv_on_update, engine=a.engine,
     engine_settings=a.engine_settings, decode_steps=a.decode_steps,
     engine_cpus=parse_cpus(a.engine_cpus), engine_nice=a.engine_nice,
-    yield_to_learner=a.yield_to_learner, warmup=not a.no_warmup,
+    yield_to_learner=a.yield_to_learner, yield_share=a.yield_share, warmup=not a.no_warmup,
   )  # fmt: skip
 
 

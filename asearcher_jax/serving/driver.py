@@ -124,6 +124,11 @@ class DriverConfig:
     its time alone); "on", "off" force it. On accelerators the two run on separate devices and
     the thread only dispatches, so "auto" is off there.
   yield_max_s: longest one pause lasts (a learner step that hangs cannot stall serving).
+  yield_share: while the learner steps, the share of the time the engine thread may still
+    compute: after a loop iteration of d seconds it waits d * (1 - share) / share (or until the
+    step ends). 0 pauses it for the whole step; a share lets generation keep up where both
+    programs share a CPU's cores (XLA scales poorly from one core to two, so running both side
+    by side does more work per second than taking turns).
   """
 
   request_timeout_s: float = 3600.0
@@ -137,8 +142,11 @@ class DriverConfig:
   thread_nice: int = 0
   yield_to_learner: str = "auto"
   yield_max_s: float = 60.0
+  yield_share: float = 0.0
 
   def __post_init__(self):
+    if not 0.0 <= self.yield_share < 1.0:
+      raise ValueError(f"DriverConfig.yield_share must be in [0, 1), got {self.yield_share}")
     if self.yield_to_learner not in YIELD_TO_LEARNER:
       raise ValueError(
         f"DriverConfig.yield_to_learner must be one of {YIELD_TO_LEARNER}, "
@@ -179,6 +187,7 @@ class Driver:
     self._wake = threading.Event()
     self._learner_idle = threading.Event()  # cleared while a colocated learner steps
     self._learner_idle.set()
+    self._last_iteration_s = 0.0  # engine thread only: the last loop iteration's busy seconds
     self.yields = self._resolve_yield(cfg.yield_to_learner)
     self._stopping = False
     self._ids = itertools.count()
@@ -388,6 +397,7 @@ class Driver:
     while not self._stopping:
       try:
         self._yield_to_learner()
+        began = time.perf_counter()
         self._apply_update()
         self._reap_aborted()
         admitted = self._admission.admit(self._params)
@@ -397,6 +407,8 @@ class Driver:
         elif not admitted and not pieces:
           self._wake.wait(self.cfg.idle_wait_s)
           self._wake.clear()
+          continue
+        self._last_iteration_s = time.perf_counter() - began  # what yield_share pays for
       except Exception as e:  # never let the thread die: fail what is in flight and go on
         log.exception("engine driver loop error")
         self.metrics["engine_errors"] += 1
@@ -410,12 +422,17 @@ class Driver:
       self._finish(req, error=EngineError("driver closed"))
 
   def _yield_to_learner(self) -> None:
-    """Waits (at most yield_max_s) while a colocated learner steps. The call in flight, if
-    any, finishes meanwhile; nothing new is dispatched until the learner is done."""
+    """Waits while a colocated learner steps (at most yield_max_s, and with a yield_share
+    only an idle stretch matching the last iteration). The call in flight, if any, finishes
+    meanwhile; nothing new is dispatched during the wait."""
     if self._learner_idle.is_set():
       return
     t0 = time.perf_counter()
-    self._learner_idle.wait(self.cfg.yield_max_s)
+    share = self.cfg.yield_share
+    wait = self.cfg.yield_max_s
+    if share > 0:  # a duty cycle: pay for the last iteration's compute with an idle stretch
+      wait = min(wait, self._last_iteration_s * (1.0 - share) / share)
+    self._learner_idle.wait(wait)
     self.metrics["yield_s"] += time.perf_counter() - t0
     self.metrics["yields"] += 1
 

@@ -63,3 +63,21 @@ def test_a_pause_ends_after_yield_max_s(make_driver):
 
   out, _ = asyncio.run(run())
   assert len(out.tokens) == 4  # served while the "learner" still held the gate
+
+
+def test_with_a_share_the_engine_keeps_generating_at_a_duty_cycle(make_driver):
+  """yield_share=0.5: while the learner steps the engine still serves, idling after each loop
+  iteration as long as it computed; the same tokens as an unheld request."""
+  driver = make_driver(yield_to_learner="on", yield_share=0.5)
+
+  async def run():
+    want = await driver.generate([1, 2, 3], GREEDY, max_new_tokens=6)
+    with driver.learner_step():
+      got = await asyncio.wait_for(driver.generate([1, 2, 3], GREEDY, max_new_tokens=6), 60)
+    return want, got
+
+  want, got = asyncio.run(run())
+  assert got.tokens == want.tokens
+  assert driver.stats()["learner_yield_s"] > 0
+  with pytest.raises(ValueError, match="yield_share"):
+    DriverConfig(yield_share=1.0)
