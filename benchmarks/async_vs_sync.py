@@ -213,7 +213,7 @@ class Workload:
   engine_nice: int = 0
   # DriverConfig.yield_to_learner: the engine thread pauses while the learner steps ("auto": on
   # CPU, where the two share the cores).
-  yield_to_learner: str = "auto"
+  yield_to_learner: str = DriverConfig().yield_to_learner
   # DriverConfig.yield_share: the engine's share of the time while the learner steps.
   yield_share: float = DriverConfig().yield_share
   # Batches per mode whose learner step is timed again alone afterwards (`learner_alone`);

@@ -192,8 +192,11 @@ def check_fit(
 def _check_fit_here(config: TrainConfig, model: ModelConfig) -> None:
   """`check_fit` on this host's accelerator devices (their allocator's limit); CPU: nothing."""
   devices = jax.devices()
-  limit = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
-  if not config.check_fit or devices[0].platform == "cpu" or not limit:
+  if not config.check_fit or devices[0].platform == "cpu":
+    return
+  # A device of this process: another process's device has no memory statistics here.
+  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+  if not limit:
     return
   report = check_fit(config, model, devices, float(limit))
   log.info("the learner fits: %.1f GiB of %.1f a device", report["train"]["total_gib"],

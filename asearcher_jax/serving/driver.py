@@ -122,7 +122,9 @@ class DriverConfig:
     "auto": when the engine computes on CPU devices, where it and the learner share the host's
     cores and each would stretch the other's steps (measured: the async learner step at 1.5x
     its time alone); "on", "off" force it. On accelerators the two run on separate devices and
-    the thread only dispatches, so "auto" is off there.
+    the thread only dispatches, so "auto" is off there. Default "off": on 2 CPU cores a full
+    pause kept the learner at its own speed (0.93x) but cut the async speedup from 3.49x to
+    2.50x, generation falling behind (docs/measurements.md, 2026-12-02).
   yield_max_s: longest one pause lasts (a learner step that hangs cannot stall serving).
   yield_share: while the learner steps, the share of the time the engine thread may still
     compute: after a loop iteration of d seconds it waits d * (1 - share) / share (or until the
@@ -140,7 +142,7 @@ class DriverConfig:
   prefill_chunk: int = 0
   continue_in_decode: bool = True
   thread_nice: int = 0
-  yield_to_learner: str = "auto"
+  yield_to_learner: str = "off"
   yield_max_s: float = 60.0
   yield_share: float = 0.0
 

@@ -1,6 +1,6 @@
 """`Driver.learner_step`: while a colocated learner steps, the engine thread dispatches nothing
 (DriverConfig.yield_to_learner), and picks up where it was once the step ends; "auto" is on for
-an engine on CPU devices, and a pause never outlasts `yield_max_s`."""
+an engine on CPU devices (the default is off), and a pause never outlasts `yield_max_s`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_auto_yields_on_cpu_and_the_settings_are_checked(make_driver):
-  assert make_driver().yields  # "auto": this engine computes on CPU devices
-  assert not make_driver(yield_to_learner="off").yields
+  assert make_driver(yield_to_learner="auto").yields  # this engine computes on CPU devices
+  assert not make_driver().yields  # the default: off
   with pytest.raises(ValueError, match="yield_to_learner"):
     DriverConfig(yield_to_learner="sometimes")
 
