@@ -28,7 +28,7 @@ from asearcher_jax.testing import ScriptedClient, fake_toolbox
 from asearcher_jax.tokenizer import Tokenizer
 from asearcher_jax.tools.toolbox import ToolCall
 from tests.rl.test_rollout import AGENT, ITEMS, wait_for
-from tests.serving.conftest import make_driver, tiny_model, tokenizer  # noqa: F401
+from tests.serving.conftest import kv_layout, make_driver, tiny_model, tokenizer  # noqa: F401
 
 EOS = 99
 

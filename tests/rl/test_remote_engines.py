@@ -17,7 +17,7 @@ from asearcher_jax.serving.client import RemoteClientConfig
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
 from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.serving.weights_dir import DirectoryWeightWatcher
-from tests.serving.conftest import make_driver, tiny_model, tokenizer  # noqa: F401
+from tests.serving.conftest import kv_layout, make_driver, tiny_model, tokenizer  # noqa: F401
 
 T = 60
 

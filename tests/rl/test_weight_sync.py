@@ -35,7 +35,14 @@ from asearcher_jax.serving.weights_dir import (
   read_latest,
   versions,
 )
-from tests.serving.conftest import VOCAB, hold_driver, make_driver, tiny_model, tokenizer  # noqa: F401
+from tests.serving.conftest import (  # noqa: F401
+  VOCAB,
+  hold_driver,
+  kv_layout,
+  make_driver,
+  tiny_model,
+  tokenizer,
+)
 
 
 def make_learner(model) -> Learner:

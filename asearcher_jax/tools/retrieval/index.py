@@ -18,9 +18,7 @@ import fcntl
 import importlib
 import itertools
 import json
-import logging
 import re
-import sys
 import time
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -38,33 +36,13 @@ from asearcher_jax.tools.retrieval.tantivy_index import (
   TantivyPages,
   TantivyPassages,
   TantivyRetriever,
+  _import_bm25s,
 )
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 # (passage index, score) pairs, best first.
 Hits = list[tuple[int, float]]
-
-
-def _import_bm25s() -> Any:
-  """Imports bm25s without letting it import jax.
-
-  bm25s imports jax at import time only to pick a top-k backend, and runs an op on it; we do
-  top-k in numpy, and keeping jax out of a retrieval-only process saves seconds of start-up and
-  a few hundred MB of RSS. When jax is already loaded (the trainer's process) nothing changes.
-  """
-  if "bm25s" in sys.modules or "jax" in sys.modules:
-    import bm25s
-  else:
-    sys.modules["jax"] = None  # type: ignore[assignment]  # makes `import jax` fail inside bm25s
-    try:
-      import bm25s
-    finally:
-      del sys.modules["jax"]
-  # bm25s sets its logger to DEBUG at import ("Building index from IDs objects" at every build):
-  # let it follow the application's level like every other library, however it was imported.
-  logging.getLogger("bm25s").setLevel(logging.NOTSET)
-  return bm25s
 
 
 # The stopword list names bm25s 0.2 accepts (`bm25s.tokenization._infer_stopwords`), checked

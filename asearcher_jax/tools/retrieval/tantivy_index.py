@@ -16,6 +16,8 @@ Snowball stemmer), so both backends index the same terms; tantivy's BM25 has Luc
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -57,6 +59,27 @@ class TantivyConfig:
       )
 
 
+def _import_bm25s() -> Any:
+  """Imports bm25s without letting it import jax.
+
+  bm25s imports jax at import time only to pick a top-k backend, and runs an op on it; we do
+  top-k in numpy, and keeping jax out of a retrieval-only process saves seconds of start-up and
+  a few hundred MB of RSS. When jax is already loaded (the trainer's process) nothing changes.
+  """
+  if "bm25s" in sys.modules or "jax" in sys.modules:
+    import bm25s
+  else:
+    sys.modules["jax"] = None  # type: ignore[assignment]  # makes `import jax` fail inside bm25s
+    try:
+      import bm25s
+    finally:
+      del sys.modules["jax"]
+  # bm25s sets its logger to DEBUG at import ("Building index from IDs objects" at every build):
+  # let it follow the application's level like every other library, however it was imported.
+  logging.getLogger("bm25s").setLevel(logging.NOTSET)
+  return bm25s
+
+
 def _tantivy() -> Any:
   try:
     import tantivy
@@ -70,8 +93,6 @@ def _tantivy() -> Any:
 def _stopwords(name: str | None) -> list[str]:
   if not name:
     return []
-  from asearcher_jax.tools.retrieval.index import _import_bm25s
-
   return sorted(_import_bm25s().tokenization._infer_stopwords(name))
 
 
