@@ -136,9 +136,9 @@ def start_server(index_dir: Path, addr_dir: Path, workers: int) -> tuple[subproc
   proc = subprocess.Popen(
     [sys.executable, "-m", "asearcher_jax.main", "serve-retrieval",
      f"--gin_param=serve_retrieval.serve.index_dir='{index_dir}'",
-     "--gin_param=serve_retrieval.serve.port=0",
-     f"--gin_param=serve_retrieval.serve.addr_dir='{addr_dir}'",
-     f"--gin_param=serve_retrieval.serve.workers={workers}",
+     "--gin_param=server.RetrievalServerConfig.port=0",
+     f"--gin_param=server.RetrievalServerConfig.addr_dir='{addr_dir}'",
+     f"--gin_param=server.RetrievalServerConfig.workers={workers}",
      "--log_level=WARNING"],
     cwd=REPO, env={**os.environ, "ASEARCHER_COMPILE_CACHE": "off"},
   )  # fmt: skip

@@ -71,17 +71,20 @@ def _q(s: str) -> str:
 
 def retrieval_argv(layout: Layout, port: int | None = None) -> list[str]:
   """A retrieval server on `port` (None: the layout's retrieval_port)."""
+  cfg = "server.RetrievalServerConfig"
   args = [
     *layout.asearcher, "serve-retrieval", *_gin(layout),
-    f"--gin_param=serve_retrieval.serve.host={_q(layout.host)}",
-    f"--gin_param=serve_retrieval.serve.port={layout.retrieval_port if port is None else port}",
+    # The server's config is built through gin whatever the layout's files bind.
+    f"--gin_param=serve_retrieval.serve.server=@{cfg}()",
+    f"--gin_param={cfg}.host={_q(layout.host)}",
+    f"--gin_param={cfg}.port={layout.retrieval_port if port is None else port}",
   ]  # fmt: skip
   if layout.retrieval_index_dir is not None:
     args.append(f"--gin_param=serve_retrieval.serve.index_dir={_q(layout.retrieval_index_dir)}")
   if layout.retrieval_workers is not None:
-    args.append(f"--gin_param=serve_retrieval.serve.workers={layout.retrieval_workers}")
+    args.append(f"--gin_param={cfg}.workers={layout.retrieval_workers}")
   if layout.retrieval_addr_dir is not None:
-    args.append(f"--gin_param=serve_retrieval.serve.addr_dir={_q(layout.retrieval_addr_dir)}")
+    args.append(f"--gin_param={cfg}.addr_dir={_q(layout.retrieval_addr_dir)}")
   return args
 
 

@@ -144,7 +144,7 @@ class RetrievalTier:
   # Hosts, and servers per host (ports retrieval_port, retrieval_port + 1, ...).
   count: int = 1
   replicas: int = 2
-  # Scoring threads per server (serve_retrieval.serve.workers).
+  # Scoring threads per server (server.RetrievalServerConfig.workers).
   workers: int = 4
   # The index: a gs:// URL (copied to each host's disk at setup: tantivy memory-maps it, which a
   # bucket mount serves slowly), or None with `index_disk`.

@@ -235,7 +235,7 @@ async def _evaluate(
     if not tools.retrieval_addresses and not tools.retrieval_addr_dir:
       raise AsearcherError(
         "local tools need retrieval_addresses or retrieval_addr_dir (start one with "
-        "`asearcher serve-retrieval --gin_param='serve_retrieval.serve.addr_dir=\"DIR\"'`)"
+        "`asearcher serve-retrieval --gin_param='server.RetrievalServerConfig.addr_dir=\"DIR\"'`)"
       )
     local = LocalRetrievalConfig(
       addresses=tuple(tools.retrieval_addresses), addr_dir=tools.retrieval_addr_dir

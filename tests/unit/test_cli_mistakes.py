@@ -97,8 +97,10 @@ def test_paths_under_a_file_and_files_for_directories(tmp_path):
 
 
 def test_ports_and_unquoted_strings():
-  line = config_error("serve-retrieval", [], ["serve_retrieval.serve.port = 99999"])
-  assert line.endswith("serve_retrieval.serve.port: 99999 is not a port (0-65535; 0: any free one)")
+  line = config_error("serve-retrieval", [], ["server.RetrievalServerConfig.port = 99999"])
+  assert line.endswith(
+    "server.RetrievalServerConfig.port: 99999 is not a port (0-65535; 0: any free one)"
+  )
   line = config_error("plan", [], ["plan.plan.chip = v5p"])
   assert "v5p is not a value: a string needs quotes" in line
   assert """--gin_param='plan.plan.chip="v5p"'""" in line
