@@ -49,7 +49,8 @@ def test_more_hosts_write_faster_and_bad_policies_name_the_field():
 )
 def test_each_recipes_plan_states_the_checkpoints_it_trains_with(name, capsys):
   """The plan's policy is the trainer's (one macro binds both), and a checkpoint's write takes
-  a small part of the interval between two (it is written asynchronously)."""
+  a small part of the interval between two (it is written asynchronously), and the interval
+  is at most about an hour unless one step is longer (then every step is checkpointed)."""
   try:
     fn = cli.configure("plan", [f"gin/experiments/{name}.gin"], [])
     train, kept = (
@@ -62,4 +63,5 @@ def test_each_recipes_plan_states_the_checkpoints_it_trains_with(name, capsys):
   c = planning.json.loads(capsys.readouterr().out.strip().splitlines()[-1])["checkpoint"]
   assert (c["every_steps"], c["kept"]) == (train, kept) == (c["every_steps"], 2)
   assert c["write_fraction_of_interval"] < 0.05
-  assert c["interval_s"] <= 4000  # at most ~1 h of training lost to a preemption
+  # At most ~1 h of training lost to a preemption, or one step where a step takes longer.
+  assert c["interval_s"] <= 4000 or c["every_steps"] == 1, c
