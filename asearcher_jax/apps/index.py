@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asearcher_jax.tools.retrieval.corpus import default_corpus_paths
-from asearcher_jax.tools.retrieval.index import BM25Config, TantivyConfig, build_index_dir
+from asearcher_jax.tools.retrieval.index import (
+  BM25Config,
+  DenseIndexConfig,
+  HybridConfig,
+  TantivyConfig,
+  build_index_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +36,8 @@ def build_index(
   backend: str = "bm25",
   bm25: BM25Config = BM25Config(),
   tantivy: TantivyConfig = TantivyConfig(),
+  dense: DenseIndexConfig = DenseIndexConfig(),
+  hybrid: HybridConfig = HybridConfig(),
   pages_file: str | None = None,
   encoder: str | None = None,
   force: bool = False,
@@ -48,14 +56,22 @@ def build_index(
     index_dir: where the index goes; None: the shipped corpus's default ($ASEARCHER_HOME or
       ~/.cache/asearcher_jax, index/default-bm25).
     backend: "bm25" (bm25s in memory, the default: corpora up to a few hundred thousand
-      passages), "tantivy" (BM25 on disk, the corpus streamed: wiki-18's 21M passages) or
-      "dense" (an encoder, see `encoder`).
+      passages), "tantivy" (BM25 on disk, the corpus streamed: wiki-18's 21M passages),
+      "dense" (`encoder` + a faiss index, see `dense`) or "hybrid" (dense and BM25 fused by
+      reciprocal rank, see `hybrid`).
     bm25: the BM25 settings (stemmer, stopwords, k1, b, variant; `index.BM25Config.*`); tantivy
       uses the stemmer and stopwords, and Lucene's k1=1.2, b=0.75.
     tantivy: how a tantivy index is built (writer threads and memory; `index.TantivyConfig.*`).
+    dense: the faiss index of a dense or hybrid index (flat, hnsw or ivfpq and their search
+      settings; `prebuilt`: serve a faiss file built elsewhere, e.g. Search-R1's e5_Flat.index,
+      whose rows are the corpus's passages in order; `index.DenseIndexConfig.*`).
+    hybrid: how a hybrid index fuses its rankings and which BM25 engine it holds ("bm25" or
+      "tantivy"; `index.HybridConfig.*`).
     pages_file: whole pages for `access` (.jsonl rows {"url", "contents", "title"?}, ASearcher's
       wiki_webpages.jsonl); None: the passages of each URL joined in corpus order.
-    encoder: the dense backend's encoder spec.
+    encoder: a dense or hybrid index's encoder: "e5:<dir>" (a Hugging Face e5/BERT directory,
+      e.g. intfloat/e5-base-v2, run by the Flax `tools.retrieval.e5` encoder) or
+      "package.module:factory"; recorded in the manifest, so the server loads the same one.
     force: rebuild even when the manifest says the index is up to date.
     show_progress: progress bars while indexing.
   """
@@ -71,6 +87,8 @@ def build_index(
     backend=backend,
     bm25=bm25,
     tantivy=tantivy,
+    dense=dense,
+    hybrid=hybrid,
     pages_file=Path(pages_file) if pages_file else None,
     encoder=encoder,
     force=force,

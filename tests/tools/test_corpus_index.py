@@ -21,9 +21,9 @@ from asearcher_jax.tools.retrieval.corpus import (
   page_key,
   wiki_url,
 )
+from asearcher_jax.tools.retrieval.dense_index import DenseRetriever
 from asearcher_jax.tools.retrieval.index import (
   BM25Config,
-  DenseRetriever,
   build_index_dir,
   load_index,
   read_manifest,
@@ -219,7 +219,8 @@ def test_dense_backend_behind_the_same_interface(tmp_path: Path) -> None:
   )
   assert manifest["backend"] == "dense" and manifest["encoder"] == spec
   ix = load_index(tmp_path / "dense")  # re-creates the encoder from the manifest
-  assert isinstance(ix.retriever, DenseRetriever)
+  assert isinstance(ix.retriever, DenseRetriever) and ix.retriever.index.kind == "flat"
+  assert manifest["dense_index"]["ntotal"] == 3 and manifest["dense"]["kind"] == "flat"
   hits = ix.retriever.search_batch(["engine wheel", "blue sky"], 2)
   assert [ix.passages[h[0][0]].title for h in hits] == ["Car", "Sky"]
   assert hits[0][0][1] == pytest.approx(2 / np.sqrt(2 * 6), rel=1e-5)  # cosine: "car" twice (title)

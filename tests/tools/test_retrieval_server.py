@@ -6,12 +6,22 @@ import asyncio
 import json
 import threading
 import urllib.request
+import zlib
 from pathlib import Path
 
 import aiohttp
+import numpy as np
+import pytest
 
-from asearcher_jax.tools.retrieval.corpus import wiki_url
+from asearcher_jax.tools.retrieval.corpus import CorpusError, wiki_url
+from asearcher_jax.tools.retrieval.dense_index import (
+  DenseIndexConfig,
+  HybridConfig,
+  HybridRetriever,
+  reciprocal_rank_fusion,
+)
 from asearcher_jax.tools.retrieval.discovery import read_address_files
+from asearcher_jax.tools.retrieval.index import build_index_dir, load_index
 from asearcher_jax.tools.retrieval.server import (
   RetrievalServer,
   RetrievalServerConfig,
@@ -215,3 +225,124 @@ async def test_too_many_inflight_requests_get_503(backend_index):
     assert status == 200
   finally:
     await asyncio.wait_for(server.stop(), 10)
+
+
+# --- dense and hybrid indexes over HTTP ------------------------------------------------------
+
+DENSE_DIM = 16
+
+
+class SeededEncoder:
+  """Each text -> a fixed pseudo-random vector (crc32-seeded): no ties, no model, any process."""
+
+  def encode(self, texts, *, kind: str) -> np.ndarray:
+    rows = [np.random.default_rng(zlib.crc32(t.encode())).standard_normal(DENSE_DIM) for t in texts]
+    return np.asarray(rows, np.float32).reshape(len(texts), DENSE_DIM)
+
+
+def make_seeded_encoder() -> SeededEncoder:
+  return SeededEncoder()
+
+
+def _dense_corpus(path: Path, n: int) -> list[str]:
+  """wiki-18 jsonl rows; returns each passage's `contents` (what the index encodes)."""
+  contents = [f'"Page {i}"\nword{i} topic{i % 7} filler text number {i}' for i in range(n)]
+  path.write_text("".join(json.dumps({"id": str(i), "contents": c}) + "\n"
+                          for i, c in enumerate(contents)))  # fmt: skip
+  return contents
+
+
+async def _serve(index, tmp_path: Path):
+  server = RetrievalServer(index, RetrievalServerConfig(port=0, addr_dir=str(tmp_path / "addrs")))
+  await asyncio.wait_for(server.start(), 10)
+  return server
+
+
+async def test_a_faiss_file_written_by_faiss_itself_loads_and_serves(tmp_path: Path) -> None:
+  """Search-R1's layout: a plain `faiss.write_index` Flat-IP file whose row i is passage i of the
+  corpus; the index directory only points at it, and /retrieve answers exact inner-product top-k
+  in the usual wire format."""
+  faiss = pytest.importorskip("faiss")
+  contents = _dense_corpus(tmp_path / "wiki.jsonl", 300)
+  enc = SeededEncoder()
+  base = enc.encode(contents, kind="passage")
+  base /= np.linalg.norm(base, axis=1, keepdims=True)
+  flat = faiss.IndexFlatIP(DENSE_DIM)
+  flat.add(base)
+  faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+  spec = f"{__name__}:make_seeded_encoder"
+  manifest = build_index_dir(
+    corpus=[tmp_path / "wiki.jsonl"], index_dir=tmp_path / "ix", backend="dense", encoder=spec,
+    dense=DenseIndexConfig(prebuilt=str(tmp_path / "e5_Flat.index")), show_progress=False,
+  )  # fmt: skip
+  assert manifest["dense_index"] == {"prebuilt": str(tmp_path / "e5_Flat.index"), "dim": DENSE_DIM,
+                                     "ntotal": 300, "kind": "flat"}  # fmt: skip
+  assert not (tmp_path / "ix" / "dense").exists()  # not copied
+  queries = [f"question {i}" for i in range(6)]
+  q = enc.encode(queries, kind="query")
+  q /= np.linalg.norm(q, axis=1, keepdims=True)
+  sims = q @ base.T
+  want = np.argsort(-sims, axis=1, kind="stable")[:, :5]
+
+  server = await _serve(load_index(tmp_path / "ix"), tmp_path)
+  try:
+    status, body = await _post(
+      _base(server) + "/retrieve", {"queries": queries, "topk": 5, "return_scores": True}
+    )
+    assert status == 200 and set(body) == {"result"}
+    got = [[int(h["document"]["id"]) for h in row] for row in body["result"]]
+    assert got == want.tolist()
+    for i, row in enumerate(body["result"]):
+      assert [h["score"] for h in row] == pytest.approx(sims[i, want[i]].tolist(), abs=1e-5)
+      assert row[0]["document"]["contents"] == contents[want[i, 0]]
+    status, body = await _post(_base(server) + "/access", {"urls": [wiki_url("Page 3")]})
+    assert status == 200 and "word3" in body["result"][0]["contents"]
+    health = await asyncio.to_thread(urllib.request.urlopen, _base(server) + "/health", timeout=20)
+    assert json.loads(health.read())["backend"] == "dense"
+  finally:
+    await asyncio.wait_for(server.stop(), 10)
+
+  # A file with another row count than the corpus is refused at build time, not served wrong.
+  faiss.write_index(faiss.IndexFlatIP(DENSE_DIM), str(tmp_path / "empty.index"))
+  with pytest.raises(CorpusError, match="0 vectors but the corpus 300"):
+    build_index_dir(corpus=[tmp_path / "wiki.jsonl"], index_dir=tmp_path / "bad",
+                    backend="dense", encoder=spec,
+                    dense=DenseIndexConfig(prebuilt=str(tmp_path / "empty.index")))  # fmt: skip
+
+
+@pytest.mark.parametrize("sparse", ["bm25", "tantivy"])
+async def test_hybrid_index_fuses_dense_and_bm25_and_serves(tmp_path: Path, sparse: str) -> None:
+  """`backend="hybrid"`: a faiss index built here plus either BM25 engine, RRF-fused; the server
+  answers exactly the fusion of the two rankings."""
+  pytest.importorskip("faiss")
+  _dense_corpus(tmp_path / "wiki.jsonl", 120)
+  spec = f"{__name__}:make_seeded_encoder"
+  hybrid = HybridConfig(depth=20, sparse=sparse)
+  manifest = build_index_dir(
+    corpus=[tmp_path / "wiki.jsonl"], index_dir=tmp_path / "ix", backend="hybrid", encoder=spec,
+    hybrid=hybrid, show_progress=False,
+  )  # fmt: skip
+  assert manifest["hybrid"]["sparse"] == sparse and manifest["dense_index"]["ntotal"] == 120
+  again = build_index_dir(corpus=[tmp_path / "wiki.jsonl"], index_dir=tmp_path / "ix",
+                          backend="hybrid", encoder=spec, hybrid=hybrid, show_progress=False)  # fmt: skip
+  assert again["reused"]
+  index = load_index(tmp_path / "ix")
+  retriever = index.retriever
+  assert isinstance(retriever, HybridRetriever) and retriever.bm25.backend == sparse
+  queries = ["word7 topic3", "topic5 filler"]
+  dense = retriever.dense.search_batch(queries, 20)
+  bm25 = retriever.bm25.search_batch(queries, 20)
+  fused = [reciprocal_rank_fusion([d, b], k=4) for d, b in zip(dense, bm25)]
+  assert bm25[0][0][0] == 7  # the one passage with both query words
+  assert all(len(d) == 20 for d in dense) and {i for i, _ in fused[0]} != {
+    i for i, _ in bm25[0][:4]
+  }
+  server = await _serve(index, tmp_path)
+  try:
+    status, body = await _post(_base(server) + "/retrieve", {"queries": queries, "topk": 4})
+  finally:
+    await asyncio.wait_for(server.stop(), 10)
+  assert status == 200
+  assert [[int(d["id"]) for d in row] for row in body["result"]] == [
+    [i for i, _ in f] for f in fused
+  ]

@@ -56,6 +56,9 @@ class DenseIndexConfig:
   shard_size: int = 65536  # vectors encoded and added to the index per step
   train_size: int = 65536  # ivfpq: vectors (the first ones streamed) the quantisers train on
   encode_batch: int = 256  # passages per encoder call while building
+  # A faiss index file written elsewhere (Search-R1's e5_Flat.index: row i is passage i of the
+  # corpus) to serve instead of building one; None: build from the corpus with the encoder.
+  prebuilt: str | None = None
 
   def __post_init__(self) -> None:
     if self.kind not in ("flat", "hnsw", "ivfpq"):
@@ -389,8 +392,12 @@ class HybridConfig:
   rrf_k: float = 60.0  # RRF's rank offset: larger flattens the weight of the top ranks
   dense_weight: float = 1.0  # weight of the dense ranking in the fused score
   bm25_weight: float = 1.0  # weight of the BM25 ranking in the fused score
+  # The BM25 side of an index directory: "bm25" (bm25s in memory) or "tantivy" (on disk).
+  sparse: Literal["bm25", "tantivy"] = "bm25"
 
   def __post_init__(self) -> None:
+    if self.sparse not in ("bm25", "tantivy"):
+      raise ConfigValueError(f"HybridConfig.sparse={self.sparse!r}: expected bm25 or tantivy")
     if self.depth < 1:
       raise ConfigValueError(f"HybridConfig.depth={self.depth}: must be >= 1")
     if self.rrf_k < 0:

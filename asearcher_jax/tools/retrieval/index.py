@@ -1,13 +1,15 @@
-"""Search indexes over passages: BM25 (bm25s, the default; tantivy for large corpora) and dense
-(optional), one interface.
+"""Search indexes over passages: BM25 (bm25s, the default; tantivy for large corpora), dense
+(an encoder over faiss) and hybrid (both, fused by reciprocal rank), one interface.
 
 A backend is a small class with `search_batch(queries, k) -> [Hits]` over passage indices and a
 `num_docs`; the passages and pages it serves are reached by index (`LoadedIndex.passages[i]`) and
 by URL (`LoadedIndex.pages.get(url)`), in memory for bm25s and dense, on disk for tantivy.
 An index directory holds `manifest.json` (backend, settings, corpus checksum) and the backend's
-files: `passages.jsonl` + `pages.jsonl` + its arrays for bm25s/dense (small corpora, loaded into
-memory), the tantivy index directories for tantivy (memory-mapped, the corpus streamed in), so a
-server needs nothing but the directory.
+files: `passages.jsonl` + `pages.jsonl` + its arrays for bm25s (small corpora, loaded into
+memory), the tantivy index directories for tantivy (memory-mapped, the corpus streamed in), and
+for dense `dense/` (`dense_index`'s faiss files) or, instead, the path of a faiss file built
+elsewhere (Search-R1's e5_Flat.index: row i is passage i), so a server needs nothing but the
+directory (and the encoder the manifest names).
 """
 
 from __future__ import annotations
@@ -26,9 +28,16 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from asearcher_jax.tools.retrieval.corpus import CorpusError, PageStore, Passage
+from asearcher_jax.tools.retrieval.dense_index import (
+  DenseIndex,
+  DenseIndexConfig,
+  DenseRetriever,
+  Encoder,
+  HybridConfig,
+  HybridRetriever,
+)
 from asearcher_jax.tools.retrieval.tantivy_index import (
   PAGES_DIR,
   PASSAGES_DIR,
@@ -90,8 +99,11 @@ class BM25Config:
 
 
 # The index backends `build_index_dir` knows: bm25s in memory (small corpora, the default),
-# tantivy on disk (large corpora), dense (a user-supplied encoder).
-BACKENDS = ("bm25", "tantivy", "dense")
+# tantivy on disk (large corpora), dense (an encoder + a faiss index, built here or prebuilt) and
+# hybrid (dense and BM25 fused by reciprocal rank).
+BACKENDS = ("bm25", "tantivy", "dense", "hybrid")
+# Where a dense (or hybrid) index directory keeps its faiss files (`dense_index` layout).
+DENSE_DIR = "dense"
 # A search hit with its document row (`Passage.to_row()`), as the server returns it.
 RowHits = list[tuple[dict[str, str], float]]
 
@@ -207,95 +219,27 @@ def _top_k(scores: np.ndarray, k: int) -> Hits:
   return [(i, float(scores[i])) for i in order if scores[i] > 0]
 
 
-class Encoder(Protocol):
-  """A user-supplied local text encoder for dense retrieval (e.g. an e5 model they host)."""
-
-  def encode(self, texts: Sequence[str], *, kind: str) -> np.ndarray:
-    """Returns [len(texts), dim] float embeddings; `kind` is "query" or "passage"."""
-    ...
-
-
 def load_encoder(spec: str) -> Encoder:
-  """`"package.module:factory"` -> factory(), so an encoder can be named in gin or a manifest."""
-  module_name, _, attr = spec.partition(":")
+  """An encoder named in gin or a manifest: `"e5:<dir>"` (or a bare directory holding a Hugging
+  Face e5/BERT model) loads `e5.E5Encoder` from it; `"package.module:factory"` -> factory()."""
+  prefix, _, rest = spec.partition(":")
+  if prefix == "e5" or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file()):
+    model_dir = Path(rest if prefix == "e5" else spec)
+    if not (model_dir / "config.json").is_file():
+      raise CorpusError(f"encoder {spec!r}: no Hugging Face model (config.json) in {model_dir}")
+    from asearcher_jax.tools.retrieval import e5  # jax and flax: only for an e5 index
+
+    return e5.E5Encoder.from_pretrained(model_dir)
+  module_name, attr = prefix, rest
   if not module_name or not attr:
-    raise CorpusError(f"encoder must be given as 'module:factory', got {spec!r}")
+    raise CorpusError(
+      f"encoder must be given as 'e5:<model dir>' or 'module:factory', got {spec!r}"
+    )
   try:
     factory = getattr(importlib.import_module(module_name), attr)
   except (ImportError, AttributeError) as e:
     raise CorpusError(f"cannot load encoder {spec!r}: {e}") from None
   return factory()
-
-
-def _normalize(x: np.ndarray) -> np.ndarray:
-  x = np.asarray(x, dtype=np.float32)
-  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
-class DenseRetriever:
-  """Inner product over L2-normalised embeddings (ASearcher's e5 + FAISS Flat-IP setup).
-
-  Uses faiss when it is installed and an exact numpy matmul otherwise: both compute the same
-  top-k, faiss is only faster on large corpora.
-  """
-
-  backend = "dense"
-
-  def __init__(self, embeddings: np.ndarray, encoder: Encoder, *, batch_size: int = 256) -> None:
-    self.embeddings = _normalize(embeddings)
-    self.encoder = encoder
-    self.batch_size = batch_size
-    self.num_docs = int(self.embeddings.shape[0])
-    self._faiss_index = None
-    try:
-      import faiss
-    except ImportError:
-      faiss = None
-    if faiss is not None:
-      index = faiss.IndexFlatIP(self.embeddings.shape[1])
-      index.add(self.embeddings)
-      self._faiss_index = index
-
-  @classmethod
-  def build(
-    cls,
-    texts: Sequence[str],
-    encoder: Encoder,
-    *,
-    batch_size: int = 256,
-    show_progress: bool = True,
-  ) -> DenseRetriever:
-    chunks = []
-    for start in tqdm(
-      range(0, len(texts), batch_size), desc="Encode passages", disable=not show_progress
-    ):
-      chunks.append(np.asarray(encoder.encode(texts[start : start + batch_size], kind="passage")))
-    return cls(np.concatenate(chunks), encoder, batch_size=batch_size)
-
-  def save(self, directory: Path) -> None:
-    np.save(directory / "embeddings.npy", self.embeddings)
-
-  @classmethod
-  def load(cls, directory: Path, encoder: Encoder) -> DenseRetriever:
-    return cls(np.load(directory / "embeddings.npy"), encoder)
-
-  def search_batch(self, queries: Sequence[str], k: int) -> list[Hits]:
-    if not queries:
-      return []
-    q = _normalize(self.encoder.encode(list(queries), kind="query"))
-    k = min(k, self.num_docs)
-    if self._faiss_index is not None:
-      scores, ids = self._faiss_index.search(q, k)
-      return [
-        [(int(i), float(s)) for i, s in zip(row_i, row_s) if i >= 0]
-        for row_i, row_s in zip(ids, scores)
-      ]
-    sims = q @ self.embeddings.T
-    out = []
-    for row in sims:
-      top = np.argsort(-row, kind="stable")[:k]
-      out.append([(int(i), float(row[i])) for i in top])
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,24 +261,6 @@ class LoadedIndex:
     return [[(self.passages[i].to_row(), s) for i, s in h] for h in hits]
 
 
-def write_index(
-  directory: Path,
-  retriever: BM25Retriever | DenseRetriever,
-  passages: Sequence[Passage],
-  pages: PageStore,
-  manifest: dict[str, Any],
-) -> None:
-  """Writes the index files, then the manifest last (its presence marks a complete index)."""
-  directory.mkdir(parents=True, exist_ok=True)
-  (directory / MANIFEST).unlink(missing_ok=True)
-  with open(directory / "passages.jsonl", "w", encoding="utf-8") as f:
-    for p in passages:
-      f.write(json.dumps(dataclasses.asdict(p), ensure_ascii=False) + "\n")
-  pages.save(directory / "pages.jsonl")
-  retriever.save(directory)
-  _write_manifest(directory, manifest)
-
-
 def read_manifest(directory: Path) -> dict[str, Any] | None:
   path = Path(directory) / MANIFEST
   if not path.exists():
@@ -345,10 +271,51 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     raise CorpusError(f"unreadable index manifest {path}: {e}") from None
 
 
-def load_index(directory: Path, *, encoder: Encoder | None = None) -> LoadedIndex:
-  """Loads an index directory written by `write_index`.
+def _sparse_backend(manifest: dict[str, Any]) -> str | None:
+  """The BM25 engine an index holds: its own backend, a hybrid's BM25 side, or none (dense)."""
+  backend = manifest["backend"]
+  if backend == "hybrid":
+    return manifest["hybrid"]["sparse"]
+  return backend if backend in ("bm25", "tantivy") else None
 
-  A dense index re-creates its encoder from the manifest's `encoder` spec unless one is passed.
+
+def _load_tantivy(directory: Path, manifest: dict[str, Any]) -> LoadedIndex:
+  bm25 = manifest["bm25"]
+  tantivy = TantivyRetriever(
+    directory / PASSAGES_DIR, stemmer=bm25["stemmer"], stopwords=bm25["stopwords"]
+  )
+  if tantivy.num_docs != manifest["num_passages"]:
+    raise CorpusError(
+      f"{directory}: the manifest records {manifest['num_passages']} passages but the tantivy "
+      f"index holds {tantivy.num_docs} (rebuild it with `asearcher index`)"
+    )
+  pages_dir = directory / PAGES_DIR if manifest.get("pages_file") else None
+  pages = TantivyPages(tantivy, pages_dir, manifest["num_pages"])
+  return LoadedIndex(
+    retriever=tantivy, passages=TantivyPassages(tantivy), pages=pages, manifest=manifest
+  )
+
+
+def _load_dense(
+  directory: Path, manifest: dict[str, Any], encoder: Encoder | None
+) -> DenseRetriever:
+  """The encoder (passed, else the manifest's spec) over the faiss index: the directory's own,
+  or the prebuilt file the manifest points at (rows are passage ids)."""
+  if encoder is None:
+    encoder = load_encoder(manifest["encoder"])
+  cfg = DenseIndexConfig(**manifest["dense"])
+  if cfg.prebuilt:
+    index = DenseIndex.from_faiss_file(cfg.prebuilt, cfg)
+  else:
+    index = DenseIndex.load(directory / DENSE_DIR, cfg)
+  return DenseRetriever(encoder, index)
+
+
+def load_index(directory: Path, *, encoder: Encoder | None = None) -> LoadedIndex:
+  """Loads an index directory written by `build_index_dir`.
+
+  A dense or hybrid index re-creates its encoder from the manifest's `encoder` spec unless one is
+  passed; its passage count must equal the faiss index's rows (row i is passage i).
   """
   directory = Path(directory)
   manifest = read_manifest(directory)
@@ -356,42 +323,32 @@ def load_index(directory: Path, *, encoder: Encoder | None = None) -> LoadedInde
     raise CorpusError(f"no index at {directory} (run `asearcher index` first)")
   if manifest.get("format_version") != FORMAT_VERSION:
     raise CorpusError(f"{directory}: index format {manifest.get('format_version')} is unsupported")
-  t0 = time.perf_counter()
-  if manifest["backend"] == "tantivy":
-    bm25 = manifest["bm25"]
-    tantivy = TantivyRetriever(
-      directory / PASSAGES_DIR, stemmer=bm25["stemmer"], stopwords=bm25["stopwords"]
-    )
-    if tantivy.num_docs != manifest["num_passages"]:
-      raise CorpusError(
-        f"{directory}: the manifest records {manifest['num_passages']} passages but the tantivy "
-        f"index holds {tantivy.num_docs} (rebuild it with `asearcher index`)"
-      )
-    pages_dir = directory / PAGES_DIR if manifest.get("pages_file") else None
-    pages = TantivyPages(tantivy, pages_dir, manifest["num_pages"])
-    manifest = {**manifest, "load_s": round(time.perf_counter() - t0, 3)}
-    return LoadedIndex(
-      retriever=tantivy, passages=TantivyPassages(tantivy), pages=pages, manifest=manifest
-    )
-  passages = []
-  with open(directory / "passages.jsonl", encoding="utf-8") as f:
-    for line in f:
-      passages.append(Passage(**json.loads(line)))
-  page_store = PageStore.from_file(directory / "pages.jsonl")
-  if manifest["backend"] == "bm25":
-    retriever: Retriever = BM25Retriever.load(directory, BM25Config(**manifest["bm25"]))
-  elif manifest["backend"] == "dense":
-    if encoder is None:
-      encoder = load_encoder(manifest["encoder"])
-    retriever = DenseRetriever.load(directory, encoder)
-  else:
+  if manifest["backend"] not in BACKENDS:
     raise CorpusError(f"{directory}: unknown index backend {manifest['backend']!r}")
-  if len(passages) != retriever.num_docs:  # type: ignore[attr-defined]
+  t0 = time.perf_counter()
+  sparse = _sparse_backend(manifest)
+  if sparse == "tantivy":
+    base = _load_tantivy(directory, manifest)
+  else:
+    passages = []
+    with open(directory / "passages.jsonl", encoding="utf-8") as f:
+      for line in f:
+        passages.append(Passage(**json.loads(line)))
+    bm25 = BM25Retriever.load(directory, BM25Config(**manifest["bm25"])) if sparse else None
+    page_store = PageStore.from_file(directory / "pages.jsonl")
+    base = LoadedIndex(retriever=bm25, passages=passages, pages=page_store, manifest=manifest)  # type: ignore[arg-type]
+  retriever: Retriever = base.retriever
+  if manifest["backend"] in ("dense", "hybrid"):
+    retriever = _load_dense(directory, manifest, encoder)
+    if manifest["backend"] == "hybrid":
+      hybrid = HybridConfig(**manifest["hybrid"])
+      retriever = HybridRetriever(retriever, base.retriever, hybrid)
+  if len(base.passages) != retriever.num_docs:
     raise CorpusError(
-      f"{directory}: {len(passages)} passages but the index holds a different count"
+      f"{directory}: {len(base.passages)} passages but the index holds {retriever.num_docs}"
     )
   manifest = {**manifest, "load_s": round(time.perf_counter() - t0, 3)}
-  return LoadedIndex(retriever=retriever, passages=passages, pages=page_store, manifest=manifest)
+  return dataclasses.replace(base, retriever=retriever, manifest=manifest)
 
 
 @contextlib.contextmanager
@@ -427,6 +384,8 @@ def build_index_dir(
   backend: str = "bm25",
   bm25: BM25Config = BM25Config(),
   tantivy: TantivyConfig = TantivyConfig(),
+  dense: DenseIndexConfig = DenseIndexConfig(),
+  hybrid: HybridConfig = HybridConfig(),
   pages_file: Path | None = None,
   encoder: str | None = None,
   force: bool = False,
@@ -435,9 +394,12 @@ def build_index_dir(
   """Builds (or keeps, when corpus checksum and settings match) an index; returns its manifest.
 
   `tantivy` sets how a tantivy index is built (writer threads and memory), not what it holds, so
-  it is not among the settings that decide reuse.
+  it is not among the settings that decide reuse. A dense or hybrid index encodes the streamed
+  corpus with `encoder` into the faiss index `dense` describes, or, with `dense.prebuilt`, points
+  at a faiss file built elsewhere (not copied: wiki-18's is 60 GB) whose rows must be the corpus's
+  passages in order.
   """
-  from asearcher_jax.tools.retrieval.corpus import corpus_sha256, load_passages
+  from asearcher_jax.tools.retrieval.corpus import corpus_sha256
 
   corpus = [Path(p) for p in corpus]
   for path in [*corpus, *([Path(pages_file)] if pages_file else [])]:
@@ -445,16 +407,25 @@ def build_index_dir(
       raise CorpusError(f"corpus file not found: {path}")
   if backend not in BACKENDS:
     raise CorpusError(f"unknown index backend {backend!r} (expected one of {', '.join(BACKENDS)})")
-  if backend == "dense" and not encoder:
-    raise CorpusError("the dense backend needs an encoder ('module:factory')")
+  if backend in ("dense", "hybrid") and not encoder:
+    raise CorpusError(
+      f"the {backend} backend needs an encoder ('e5:<model dir>' or 'module:factory')"
+    )
+  if backend in ("dense", "hybrid") and dense.prebuilt and not Path(dense.prebuilt).is_file():
+    raise CorpusError(f"prebuilt faiss index not found: {dense.prebuilt}")
   index_dir = Path(index_dir)
   with _build_lock(index_dir):
     checksum = corpus_sha256(corpus + ([Path(pages_file)] if pages_file else []))
     settings: dict[str, Any] = {"backend": backend}
-    if backend in ("bm25", "tantivy"):
+    if backend != "dense":
       settings["bm25"] = dataclasses.asdict(bm25)
-    else:
-      settings["encoder"] = encoder
+    if backend in ("dense", "hybrid"):
+      settings |= {"encoder": encoder, "dense": dataclasses.asdict(dense)}
+      if dense.prebuilt:  # a replaced file (same path) is a different index
+        stat = Path(dense.prebuilt).stat()
+        settings["prebuilt_stat"] = [stat.st_size, stat.st_mtime_ns]
+    if backend == "hybrid":
+      settings["hybrid"] = dataclasses.asdict(hybrid)
     old = read_manifest(index_dir)
     if (
       not force
@@ -471,30 +442,70 @@ def build_index_dir(
       "pages_file": str(pages_file) if pages_file else None,
       "corpus_sha256": checksum,
     }
-    if backend == "tantivy":
+    sparse = _sparse_backend(settings)
+    if sparse == "tantivy":
       info |= _build_tantivy(corpus, index_dir, bm25, tantivy, pages_file)
-      info |= {"build_s": round(time.perf_counter() - t0, 3), "created_unix": int(time.time())}
-      _write_manifest(index_dir, info)
-      return {**info, "format_version": FORMAT_VERSION, "reused": False}
-    passages = load_passages(corpus)
-    pages = (
-      PageStore.from_file(Path(pages_file)) if pages_file else PageStore.from_passages(passages)
-    )
-    texts = [p.contents for p in passages]
-    if backend == "bm25":
-      retriever: BM25Retriever | DenseRetriever = BM25Retriever.build(
-        texts, bm25, show_progress=show_progress
-      )
     else:
-      retriever = DenseRetriever.build(texts, load_encoder(encoder), show_progress=show_progress)
-    info |= {
-      "num_passages": len(passages),
-      "num_pages": len(pages),
-      "build_s": round(time.perf_counter() - t0, 3),
-      "created_unix": int(time.time()),
-    }
-    write_index(index_dir, retriever, passages, pages, info)
+      info |= _build_in_memory(corpus, index_dir, bm25 if sparse else None, pages_file,
+                               show_progress)  # fmt: skip
+    if backend in ("dense", "hybrid"):
+      info["dense_index"] = _build_dense(corpus, index_dir, dense, encoder, info["num_passages"])
+    info |= {"build_s": round(time.perf_counter() - t0, 3), "created_unix": int(time.time())}
+    _write_manifest(index_dir, info)
     return {**info, "format_version": FORMAT_VERSION, "reused": False}
+
+
+def _build_in_memory(
+  corpus: Sequence[Path],
+  index_dir: Path,
+  bm25: BM25Config | None,
+  pages_file: Path | None,
+  show_progress: bool,
+) -> dict[str, Any]:
+  """passages.jsonl + pages.jsonl (and the bm25s arrays unless `bm25` is None); their counts."""
+  from asearcher_jax.tools.retrieval.corpus import load_passages
+
+  passages = load_passages(corpus)
+  pages = PageStore.from_file(Path(pages_file)) if pages_file else PageStore.from_passages(passages)
+  retriever = None
+  if bm25 is not None:
+    texts = [p.contents for p in passages]
+    retriever = BM25Retriever.build(texts, bm25, show_progress=show_progress)
+  index_dir.mkdir(parents=True, exist_ok=True)
+  (index_dir / MANIFEST).unlink(missing_ok=True)
+  with open(index_dir / "passages.jsonl", "w", encoding="utf-8") as f:
+    for p in passages:
+      f.write(json.dumps(dataclasses.asdict(p), ensure_ascii=False) + "\n")
+  pages.save(index_dir / "pages.jsonl")
+  if retriever is not None:
+    retriever.save(index_dir)
+  return {"num_passages": len(passages), "num_pages": len(pages)}
+
+
+def _build_dense(
+  corpus: Sequence[Path],
+  index_dir: Path,
+  cfg: DenseIndexConfig,
+  encoder: str | None,
+  num_passages: int,
+) -> dict[str, Any]:
+  """The faiss side: the corpus streamed through the encoder into `index_dir/dense`, or a check
+  that a prebuilt file has one row per passage. Returns what the manifest records of it."""
+  from asearcher_jax.tools.retrieval import dense_index
+
+  if cfg.prebuilt:
+    index = dense_index.read_faiss_index(cfg.prebuilt)
+    if index.ntotal != num_passages:
+      raise CorpusError(
+        f"prebuilt faiss index {cfg.prebuilt} holds {index.ntotal} vectors but the corpus "
+        f"{num_passages} passages (its rows must be the corpus's passages, in order)"
+      )
+    return {"prebuilt": cfg.prebuilt, "dim": int(index.d), "ntotal": int(index.ntotal),
+            "kind": dense_index.kind_of(index)}  # fmt: skip
+  assert encoder is not None
+  texts = (p.contents for p in _stream_passages(corpus))
+  info = dense_index.build_dense_index(texts, load_encoder(encoder), index_dir / DENSE_DIR, cfg)
+  return {k: info[k] for k in ("factory", "dim", "ntotal", "build_s", "train_s", "index_bytes")}
 
 
 def _build_tantivy(
