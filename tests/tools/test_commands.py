@@ -110,3 +110,70 @@ def test_index_of_ones_own_corpus_alone_or_with_the_shipped_one_as_distractors(t
   assert build_index(corpus=str(mine), add_shipped_corpus=True, index_dir=str(tmp_path / "both"),
                      show_progress=False) == 0  # fmt: skip
   assert read_manifest(tmp_path / "both")["num_passages"] == 3 + 8113
+
+
+def test_index_and_serve_a_prebuilt_faiss_file_from_the_command_line(tmp_path: Path) -> None:
+  """A user's Search-R1 files: wiki-18 jsonl + an e5_Flat.index written by faiss itself.
+  `asearcher index` records it (no copy), `asearcher serve-retrieval` answers /retrieve with
+  exact inner-product top-k and /access with the pages, in the BM25 wire format."""
+  import numpy as np
+  import pytest
+
+  faiss = pytest.importorskip("faiss")
+  from tests.tools.test_retrieval_server import SeededEncoder, _dense_corpus
+
+  contents = _dense_corpus(tmp_path / "wiki.jsonl", 200)
+  base = SeededEncoder().encode(contents, kind="passage")
+  base /= np.linalg.norm(base, axis=1, keepdims=True)
+  flat = faiss.IndexFlatIP(base.shape[1])
+  flat.add(base)
+  faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+  index_dir = tmp_path / "ix"
+  built = _cli(
+    "index",
+    f"--gin_param=index.build_index.corpus='{tmp_path / 'wiki.jsonl'}'",
+    f"--gin_param=index.build_index.index_dir='{index_dir}'",
+    "--gin_param=index.build_index.backend='dense'",
+    "--gin_param=index.build_index.encoder='tests.tools.test_retrieval_server:make_seeded_encoder'",
+    f"--gin_param=index.DenseIndexConfig.prebuilt='{tmp_path / 'e5_Flat.index'}'",
+  )
+  assert built.returncode == 0, built.stderr[-2000:]
+  assert read_manifest(index_dir)["dense_index"]["ntotal"] == 200
+  query = "who wrote page 12"
+  q = SeededEncoder().encode([query], kind="query")[0]
+  want = np.argsort(-(base @ (q / np.linalg.norm(q))), kind="stable")[:4].tolist()
+
+  addr_dir = tmp_path / "addrs"
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "asearcher_jax.main", "serve-retrieval",
+     f"--gin_param=serve_retrieval.serve.index_dir='{index_dir}'",
+     "--gin_param=server.RetrievalServerConfig.port=0",
+     f"--gin_param=server.RetrievalServerConfig.addr_dir='{addr_dir}'"],
+    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+  )  # fmt: skip
+  try:
+    deadline = time.monotonic() + 60
+    files: list[Path] = []
+    while time.monotonic() < deadline and not files and proc.poll() is None:
+      files = list(addr_dir.glob("Host*_IP*.txt"))
+      time.sleep(0.1)
+    assert files, proc.stdout.read() if proc.poll() is not None else "no address file in 60 s"
+    address = files[0].read_text()
+
+    def post(path: str, payload: dict) -> dict:
+      req = urllib.request.Request(f"http://{address}{path}", data=json.dumps(payload).encode(),
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+      with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+    rows = post("/retrieve", {"queries": [query], "topk": 4})["result"][0]
+    assert [int(r["id"]) for r in rows] == want
+    assert rows[0]["contents"] == contents[want[0]] and rows[0]["title"] == f"Page {want[0]}"
+    pages = post("/access", {"urls": [rows[0]["url"]]})["result"]
+    assert contents[want[0]].split("\n", 1)[1] in pages[0]["contents"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(timeout=10)

@@ -162,3 +162,36 @@ def test_config_and_checkpoint_errors_name_the_field(tmp_path: Path) -> None:
     e5.load_bert(model_dir)
   with pytest.raises(CheckpointError, match=r"no config\.json"):
     e5.load_bert(tmp_path / "missing")
+
+
+@pytest.mark.slow  # jax start-up and a few small compiles
+def test_an_index_built_with_the_e5_spec_serves_with_the_same_encoder(tmp_path: Path) -> None:
+  """`asearcher index`'s encoder="e5:<dir>": the corpus encoded by the Flax e5 encoder loaded
+  from a Hugging Face directory, the manifest naming it, `load_index` re-creating it."""
+  pytest.importorskip("faiss")
+  from asearcher_jax.tools.retrieval.corpus import CorpusError
+  from asearcher_jax.tools.retrieval.index import build_index_dir, load_encoder, load_index
+
+  model_dir = _random_bert(tmp_path / "e5")
+  texts = [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(3 + i % 4)) for i in range(40)]
+  (tmp_path / "c.jsonl").write_text(
+    "".join(
+      json.dumps({"id": str(i), "contents": f'"T{i}"\n{t}'}) + "\n" for i, t in enumerate(texts)
+    )
+  )
+  spec = f"e5:{model_dir}"
+  m = build_index_dir(corpus=[tmp_path / "c.jsonl"], index_dir=tmp_path / "ix", backend="dense",
+                      encoder=spec, show_progress=False)  # fmt: skip
+  assert m["encoder"] == spec and m["dense_index"]["ntotal"] == 40 and m["dense_index"]["dim"] == 32
+  index = load_index(tmp_path / "ix")
+  enc = index.retriever.encoder
+  assert isinstance(enc, e5.E5Encoder)
+  passages = enc.encode([index.passages[i].contents for i in range(40)], kind="passage")
+  queries = [texts[3], texts[17]]
+  q = enc.encode(queries, kind="query")
+  want = np.argsort(-(q @ passages.T), axis=1, kind="stable")[:, :5]
+  hits = index.retriever.search_batch(queries, 5)
+  assert [[d for d, _ in h] for h in hits] == want.tolist()
+  assert isinstance(load_encoder(str(model_dir)), e5.E5Encoder)  # a bare directory works too
+  with pytest.raises(CorpusError, match=r"config\.json"):
+    load_encoder(f"e5:{tmp_path / 'nothing'}")
