@@ -8,9 +8,10 @@ child process (its wall time and peak RSS via getrusage, the index size on disk)
 skipped above the first size at which its build exceeds `--bm25s_limit_s` (it holds the corpus
 and its token matrix in memory). Then, over each tantivy index, the real server
 (`asearcher serve-retrieval` as a subprocess) under 32 concurrent one-query `/retrieve` clients
-(aiohttp on loopback): q/s, p50, p99; over the largest index with 1 and 2 workers (their ratio).
-The last line is one JSON object (keys `backends`, `curve`, `qps_c32_2m`, `p99_ms_c32_2m`,
-`peak_rss_gb_2m`, `workers_ratio_2_over_1`, `projection_21m`). Targets for tantivy: peak RSS at
+(aiohttp on loopback): q/s, p50, p99; over the largest index with 1 and 2 worker threads and 2
+worker processes (their ratios to 1 thread). The last line is one JSON object (keys `backends`,
+`curve`, `qps_c32_2m`, `p99_ms_c32_2m`, `peak_rss_gb_2m`, `workers_ratio_2_over_1`,
+`workers_ratio_2proc_over_1`, `projection_21m`). Targets for tantivy: peak RSS at
 2M <= 3 GB, >= 100 q/s at c32 over 2M. `--sizes 2000,4000` runs the same at small sizes.
 """
 
@@ -131,7 +132,9 @@ def build(backend: str, corpus: Path, index_dir: Path, limit_s: float) -> dict:
   return out
 
 
-def start_server(index_dir: Path, addr_dir: Path, workers: int) -> tuple[subprocess.Popen, str]:
+def start_server(
+  index_dir: Path, addr_dir: Path, workers: int, kind: str = "thread"
+) -> tuple[subprocess.Popen, str]:
   shutil.rmtree(addr_dir, ignore_errors=True)
   proc = subprocess.Popen(
     [sys.executable, "-m", "asearcher_jax.main", "serve-retrieval",
@@ -139,6 +142,7 @@ def start_server(index_dir: Path, addr_dir: Path, workers: int) -> tuple[subproc
      "--gin_param=server.RetrievalServerConfig.port=0",
      f"--gin_param=server.RetrievalServerConfig.addr_dir='{addr_dir}'",
      f"--gin_param=server.RetrievalServerConfig.workers={workers}",
+     f"--gin_param=server.RetrievalServerConfig.worker_kind='{kind}'",
      "--log_level=WARNING"],
     cwd=REPO, env={**os.environ, "ASEARCHER_COMPILE_CACHE": "off"},
   )  # fmt: skip
@@ -194,14 +198,16 @@ async def load(address: str, queries: list[str], seconds: float, warmup_s: float
           "p99_ms": float(np.percentile(ms, 99)), "requests": len(latencies), "errors": errors}  # fmt: skip
 
 
-def serve_and_load(index_dir: Path, tmp: Path, workers: int, seconds: float) -> dict:
-  proc, address = start_server(index_dir, tmp / "addrs", workers)
+def serve_and_load(
+  index_dir: Path, tmp: Path, workers: int, seconds: float, kind: str = "thread"
+) -> dict:
+  proc, address = start_server(index_dir, tmp / "addrs", workers, kind)
   try:
     out = asyncio.run(load(address, make_queries(4000), seconds, warmup_s=min(3.0, seconds)))
   finally:
     proc.terminate()
     proc.wait(30)
-  return {"workers": workers, **out}
+  return {"workers": workers, "worker_kind": kind, **out}
 
 
 def _fit_power(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -279,6 +285,10 @@ def run(
           if 1 in loads:
             row["qps_c32_1_worker"] = loads[1]["qps"]
             row["workers_ratio_2_over_1"] = loads[2]["qps"] / loads[1]["qps"]
+            procs = serve_and_load(index_dir, tmp, 2, qps_seconds, "process")
+            row["qps_c32_2_processes"] = procs["qps"]
+            row["p99_ms_c32_2_processes"] = procs["p99_ms"]
+            row["workers_ratio_2proc_over_1"] = procs["qps"] / loads[1]["qps"]
         elif backend == "bm25" and size == min(sizes):  # its baseline at the smallest size
           load2 = serve_and_load(index_dir, tmp, 2, qps_seconds)
           row |= {"qps_c32": load2["qps"], "p99_ms_c32": load2["p99_ms"]}
@@ -302,6 +312,7 @@ def run(
     "build_s_2m": top.get("build_s"),
     "disk_gb_2m": top.get("disk_gb"),
     "workers_ratio_2_over_1": top.get("workers_ratio_2_over_1"),
+    "workers_ratio_2proc_over_1": top.get("workers_ratio_2proc_over_1"),
     "projection_21m": {b: projection(curve, b) for b in backends},
   }
 

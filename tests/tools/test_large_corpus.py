@@ -192,12 +192,13 @@ def test_the_scale_benchmark_core_at_a_tiny_size(tmp_path: Path) -> None:
     sys.path.remove(str(REPO / "benchmarks"))
   out = retrieval_scale.run((1_500, 3_000), qps_seconds=1.0, tmp_dir=tmp_path)
   for key in ("backends", "curve", "qps_c32_2m", "p99_ms_c32_2m", "peak_rss_gb_2m",
-              "workers_ratio_2_over_1", "projection_21m"):  # fmt: skip
+              "workers_ratio_2_over_1", "workers_ratio_2proc_over_1", "projection_21m"):  # fmt: skip
     assert key in out
   rows = {(r["backend"], r["passages"]): r for r in out["curve"]}
   assert set(rows) == {(b, n) for b in ("bm25", "tantivy") for n in (1_500, 3_000)}
   top = rows["tantivy", 3_000]
   assert top["num_passages"] == 3_000 and top["disk_gb"] > 0 and top["errors"] == 0
   assert out["qps_c32_2m"] == top["qps_c32"] > 0 and out["workers_ratio_2_over_1"] > 0
+  assert out["workers_ratio_2proc_over_1"] > 0
   assert out["projection_21m"]["tantivy"]["passages"] == 21_000_000
   json.dumps(out)  # one JSON object

@@ -346,3 +346,20 @@ async def test_hybrid_index_fuses_dense_and_bm25_and_serves(tmp_path: Path, spar
   assert [[int(d["id"]) for d in row] for row in body["result"]] == [
     [i for i, _ in f] for f in fused
   ]
+
+
+async def test_process_workers_answer_as_thread_workers_do(backend_index) -> None:
+  """`worker_kind="process"`: each worker loads the index directory itself (its own GIL); the
+  answers and pages are the in-process ones, and the server is ready when it listens."""
+  server = RetrievalServer(
+    backend_index, RetrievalServerConfig(port=0, workers=2, worker_kind="process")
+  )
+  await asyncio.wait_for(server.start(), 120)
+  try:
+    queries = ["Lothair II", "If Gallu is a demon Lilu is what?", "queen history"]
+    status, body = await _post(_base(server) + "/retrieve", {"queries": queries, "topk": 4})
+    assert status == 200 and body["result"] == retrieve_rows(backend_index, queries, 4)
+    status, body = await _post(_base(server) + "/access", {"urls": [wiki_url("Lothair II")]})
+    assert status == 200 and body["result"] == [backend_index.pages.get(wiki_url("Lothair II"))]
+  finally:
+    await asyncio.wait_for(server.stop(), 30)

@@ -250,6 +250,8 @@ class LoadedIndex:
   passages: Passages
   pages: Pages
   manifest: dict[str, Any]
+  # The index directory it was loaded from (process workers load their own copy from it).
+  directory: Path | None = None
 
   def search_rows(self, queries: Sequence[str], k: int) -> list[RowHits]:
     """Top-k documents with scores for each query: the retriever's own pass when it reads
@@ -348,7 +350,7 @@ def load_index(directory: Path, *, encoder: Encoder | None = None) -> LoadedInde
       f"{directory}: {len(base.passages)} passages but the index holds {retriever.num_docs}"
     )
   manifest = {**manifest, "load_s": round(time.perf_counter() - t0, 3)}
-  return dataclasses.replace(base, retriever=retriever, manifest=manifest)
+  return dataclasses.replace(base, retriever=retriever, manifest=manifest, directory=directory)
 
 
 @contextlib.contextmanager

@@ -20,15 +20,15 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
 from asearcher_jax import http_guard
 from asearcher_jax.tools.retrieval.discovery import write_address_file
-from asearcher_jax.tools.retrieval.index import LoadedIndex, RowHits
+from asearcher_jax.tools.retrieval.index import LoadedIndex, RowHits, load_index
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,14 @@ class RetrievalServerConfig:
   max_inflight: int = 1024
   # Most queries scored in one batch (split over the workers).
   micro_batch: int = 256
-  # Threads that score batches (and look up pages) at once; tantivy and numpy release the GIL.
+  # Threads (or processes) that score batches (and look up pages) at once.
   workers: int = 2
+  # "thread": workers share this process's index and GIL (tantivy, faiss and numpy release it
+  # while they score, but each search re-takes it, queued behind the event loop's Python);
+  # "process": each worker is a process with its own GIL that loads the index directory itself
+  # (memory-mapped for tantivy and faiss, so the page cache holds one copy; bm25s and the
+  # passages of an in-memory index are loaded once a worker).
+  worker_kind: Literal["thread", "process"] = "thread"
   # While a batch is being scored, requests arriving within this many ms join the next batch
   # together; a request that finds the server idle is scored at once (no added latency).
   batch_window_ms: float = 2.0
@@ -74,6 +80,8 @@ class RetrievalServerConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if self.worker_kind not in ("thread", "process"):
+      raise ValueError(f"worker_kind must be 'thread' or 'process', got {self.worker_kind!r}")
     if not self.batch_window_ms >= 0:
       raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms!r}")
     if not self.search_timeout_s > 0:
@@ -154,7 +162,7 @@ class MicroBatcher:
   def __init__(
     self,
     search_batch,
-    executor: ThreadPoolExecutor,
+    executor: Executor,
     max_queries: int,
     *,
     workers: int = 1,
@@ -237,15 +245,58 @@ class MicroBatcher:
       start += len(queries)
 
 
+# The index a process worker loaded (`worker_kind="process"`), one per worker process.
+_WORKER_INDEX: LoadedIndex | None = None
+
+
+def _load_worker_index(directory: str) -> None:
+  global _WORKER_INDEX
+  _WORKER_INDEX = load_index(Path(directory))
+
+
+def _worker_search_rows(queries: list[str], k: int) -> list[RowHits]:
+  assert _WORKER_INDEX is not None
+  return _WORKER_INDEX.search_rows(queries, k)
+
+
+def _worker_pages(urls: list[str]) -> list[dict[str, str] | None]:
+  assert _WORKER_INDEX is not None
+  return [_WORKER_INDEX.pages.get(u) for u in urls]
+
+
+def _worker_ready() -> int:
+  assert _WORKER_INDEX is not None
+  return len(_WORKER_INDEX.passages)
+
+
 class RetrievalServer:
   """Holds the loaded index and serves it; `start()`/`stop()` for tests and the CLI alike."""
 
   def __init__(self, index: LoadedIndex, config: RetrievalServerConfig) -> None:
     self.index = index
     self.config = config
-    self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="retrieval")
+    self._executor: Executor
+    if config.worker_kind == "process":
+      if index.directory is None:
+        raise ValueError("process workers need an index loaded from a directory (load_index)")
+      import multiprocessing
+
+      # spawn, not fork: the server has threads, and a dense index's encoder may hold jax state.
+      self._executor = ProcessPoolExecutor(
+        max_workers=config.workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_load_worker_index,
+        initargs=(str(index.directory),),
+      )
+      search_rows, self._pages = _worker_search_rows, _worker_pages
+    else:
+      self._executor = ThreadPoolExecutor(
+        max_workers=config.workers, thread_name_prefix="retrieval"
+      )
+      search_rows = index.search_rows
+      self._pages = lambda urls: [self.index.pages.get(u) for u in urls]
     self._batcher = MicroBatcher(
-      index.search_rows,
+      search_rows,
       self._executor,
       config.micro_batch,
       workers=config.workers,
@@ -321,9 +372,7 @@ class RetrievalServer:
       urls = parse_access(body, self.config)
       if not urls:
         return web.json_response({"result": []})
-      lookup = asyncio.get_running_loop().run_in_executor(
-        self._executor, lambda: [self.index.pages.get(u) for u in urls]
-      )
+      lookup = asyncio.get_running_loop().run_in_executor(self._executor, self._pages, urls)
       try:
         pages = await asyncio.wait_for(lookup, self.config.search_timeout_s)
       except TimeoutError:
@@ -356,6 +405,12 @@ class RetrievalServer:
       self.make_app(), access_log=None, keepalive_timeout=self.config.header_timeout_s
     )
     await self._runner.setup()
+    if self.config.worker_kind == "process":  # every worker has loaded the index before we listen
+      loop = asyncio.get_running_loop()
+      ready = [
+        loop.run_in_executor(self._executor, _worker_ready) for _ in range(self.config.workers)
+      ]
+      await asyncio.gather(*ready)
     await http_guard.listen(self._runner, self.config.host, self.config.port)
     sockets = [s for s in self._runner.addresses if isinstance(s, tuple)]
     self.port = int(sockets[0][1])
