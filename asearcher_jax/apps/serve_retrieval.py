@@ -34,7 +34,8 @@ def serve(
 
   Args:
     index_dir: an index built by `asearcher index`; None: the shipped corpus's (built if missing).
-    encoder: 'module:factory' of a dense index's query encoder; None: the manifest's.
+    encoder: a dense or hybrid index's query encoder ("e5:<HF dir>" or 'module:factory'); None:
+      the manifest's (thread workers only: process workers load the manifest's).
     server: how the server listens and what it accepts (host, port, address file, limits,
       workers, batching); None: the defaults on port 8000.
   """
@@ -46,6 +47,10 @@ def serve(
     out = Path(index_dir)
   if not out.exists():
     raise CorpusError(f"index directory {out} does not exist (run `asearcher index` first)")
+  if encoder and config.worker_kind == "process":
+    raise CorpusError(
+      "an encoder override needs thread workers (process workers load the index's own)"
+    )
   index = load_index(out, encoder=load_encoder(encoder) if encoder else None)
   log.info("loaded index %s in %.2f s", out, index.manifest["load_s"])
   asyncio.run(run_server(index, config))
