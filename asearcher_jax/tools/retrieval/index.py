@@ -303,6 +303,10 @@ def _load_dense(
 ) -> DenseRetriever:
   """The encoder (passed, else the manifest's spec) over the faiss index: the directory's own,
   or the prebuilt file the manifest points at (rows are passage ids)."""
+  if "dense" not in manifest:  # written before dense indexes were faiss directories
+    raise CorpusError(
+      f"{directory}: an old dense index (embeddings.npy); rebuild it with `asearcher index`"
+    )
   if encoder is None:
     encoder = load_encoder(manifest["encoder"])
   cfg = DenseIndexConfig(**manifest["dense"])
