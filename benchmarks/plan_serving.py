@@ -57,9 +57,10 @@ POINTS = ((1, 128), (16, 2048), (32, 4096))
 CALIB = ((4, 256), (12, 6144))
 LAYOUTS = ("paged", "fixed")  # paged first: the engine the planner models
 PAGE = 16  # positions per page of the paged engine
-STEPS = 10  # timed decode steps per repetition
-REPS = 5
+STEPS = 12  # timed decode steps per repetition
+REPS = 7
 TARGET = 0.25
+HEADROOM = STEPS * (REPS + 1) + 8  # positions left free after the prompt: every step fits
 KV_DTYPE = "float32"  # the engine's cache here (the model's dtype)
 TOKENIZER: Tokenizer | None = None
 
@@ -101,8 +102,8 @@ def fit_rates(overhead_s: float, calib_s: dict, flops_s: float) -> mem.Rates:
 
 
 class Point:
-  """One (batch, window) engine of `layout`, prefilled once: every slot holds window - 2 x
-  STEPS x (REPS + 1) positions, so all repetitions' steps stay inside the window; `time()`
+  """One (batch, window) engine of `layout`, prefilled once: every slot holds window - HEADROOM
+  positions, so all repetitions' steps stay inside the window; `time()`
   runs STEPS steps. The paged engine's slots each get their own pages (no sharing: every slot
   reads its own keys and values, as the fixed one does)."""
 
@@ -116,7 +117,7 @@ class Point:
     self.window = window
     self.params = self.engine.load_params()
     rng = np.random.default_rng(0)
-    prompt = rng.integers(1, model.cfg.vocab_size, window - 2 * STEPS * (REPS + 1))
+    prompt = rng.integers(1, model.cfg.vocab_size, window - HEADROOM)
     padded, n = self.engine.pad(prompt.tolist())
     prefix = self.engine.prefill(params=self.params, padded_tokens=padded, true_length=n)
     self.state = self.engine.init_decode_state()
@@ -185,7 +186,7 @@ def main() -> None:
   model = transformer.Transformer(MODEL, rngs=nnx.Rngs(0))
   engines = {}
   for layout in LAYOUTS:
-    tiny_window = -(-(2 * STEPS * (REPS + 1) + 64) // PAGE) * PAGE  # a multiple of PAGE
+    tiny_window = -(-(HEADROOM + 64) // PAGE) * PAGE  # a multiple of PAGE
     engines[(layout, "overhead")] = Point(tiny, 1, tiny_window, layout)
     for b, w in CALIB + POINTS:
       engines[(layout, (b, w))] = Point(model, b, w, layout)
