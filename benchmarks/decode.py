@@ -58,11 +58,20 @@ NEW, OLD = 8, 1
 
 
 VOCAB = 8192
+LONGTAIL_REQUESTS = 512  # the long-tail workload's requests
 
 
 def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   return [rng.integers(100, VOCAB, PROMPT_LEN).tolist() for _ in range(n)]
+
+
+def longtail_workload(n: int = LONGTAIL_REQUESTS) -> tuple[list[list[int]], np.ndarray]:
+  """The long-tail workload's first `n` requests: prompts, and output lengths from a log-normal
+  (median 20) clipped to [4, 400], a 100x spread (benchmarks/paged_kv.py runs a prefix of it)."""
+  rng = np.random.default_rng(1)
+  lengths = np.clip(np.round(np.exp(rng.normal(np.log(20), 1.2, LONGTAIL_REQUESTS))), 4, 400)
+  return make_prompts(LONGTAIL_REQUESTS, seed=7)[:n], lengths.astype(int)[:n]
 
 
 LOOP = "while"  # the new settings' EngineConfig.decode_loop (--decode-loop)
@@ -297,9 +306,7 @@ def main() -> None:
   # Long tail: 512 requests (an RL batch is many times the slot count), lengths log-normal,
   # clipped to [4, 400] (a 100x spread), 16 slots. With few requests per slot the single longest
   # request bounds both schedules (128 requests gave 1.94x).
-  rng = np.random.default_rng(1)
-  lengths = np.clip(np.round(np.exp(rng.normal(np.log(20), 1.2, 512))), 4, 400).astype(int)
-  prompts = make_prompts(512, seed=7)
+  prompts, lengths = longtail_workload()
   engine, old = build_engine(model, tok, 16), build_engine(model, tok, 16, OLD)
   warm(engine)
   warm(old)
