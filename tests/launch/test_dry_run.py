@@ -262,7 +262,8 @@ def test_a_retrieval_tier_of_its_own():
   servers = [c for c in start if "serve-retrieval" in c]
   assert len(servers) == 2 and all("compute ssh as-local-7b-tier-retrieval-" in c for c in servers)
   for c in servers:  # two replicas a host, on consecutive ports, the index on the host's disk
-    assert "serve.port=8000" in c and "serve.port=8001" in c and "serve.workers=8" in c
+    assert "RetrievalServerConfig.port=8000" in c and "RetrievalServerConfig.port=8001" in c
+    assert "RetrievalServerConfig.workers=8" in c
     assert c.count("/mnt/asearcher-index") == 2
   trainers = [c for c in start if "asearcher train" in c]
   assert len(trainers) == 4
