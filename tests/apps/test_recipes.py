@@ -90,3 +90,45 @@ def test_recipe_runs_three_steps_on_cpu_with_the_tiny_overlay(name, tmp_path, ca
   tok = Tokenizer.qwen2()
   for g in trained:
     assert PROMPT_MARKS[agent] in prompt_text(tok, g)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_engine_is_the_planned_and_compiled_serving_replica(name):
+  """The serving engine binds the paged layout at the slots, pages and page size the planner's
+  ServingShape models (one macro each binds both), so the plan and the compiled serving
+  programs describe the engine that runs."""
+  try:
+    configure("serve-model", [f"gin/experiments/{name}.gin"])
+    engine = value("serve_model.serve.engine")
+    shape = value("planning.plan.serving")
+  finally:
+    gin.clear_config()
+  assert engine.kv_layout == "paged"
+  assert (engine.max_slots, engine.max_seq_len) == (shape.slots, shape.context)
+  assert (engine.num_pages, engine.page_size) == (shape.pages, shape.page_size)
+
+
+def test_launch_specs_start_the_serving_slices_their_recipe_plans():
+  """A launch spec on the recipe's planned chip starts as many serving slices as the recipe's
+  ServingShape.replicas (the step times in its header assume that many)."""
+  from launch.spec import load
+
+  checked = 0
+  for path in sorted((REPO / "launch/specs").glob("*.toml")):
+    if path.stem.startswith("local"):  # one host's processes (--backend local), no slices
+      continue
+    spec = load(path)
+    recipe = REPO / spec.experiment
+    if recipe.parent.name != "experiments" or recipe.stem not in RECIPES:
+      continue
+    try:
+      configure("plan", [str(recipe.relative_to(REPO))])
+      shape, chip = value("planning.plan.serving"), value("planning.plan.chip")
+    finally:
+      gin.clear_config()
+    if spec.trainer.chip.name != chip:  # another generation (v5e): its own sizing
+      continue
+    assert len(spec.serving) == shape.replicas, path.name
+    assert {s.chips for s in spec.serving} == {shape.chips}, path.name
+    checked += 1
+  assert checked >= 3

@@ -52,14 +52,14 @@ def test_plans_have_the_shape_of_the_spec():
   spec = load(SPECS["v5p"])
   # v5p-64: 64 TensorCores = 32 chips = 8 hosts; v5p-8: 4 chips on one host.
   assert (spec.trainer.chips, spec.trainer.hosts) == (32, 8)
-  assert [(s.chips, s.hosts) for s in spec.serving] == [(4, 1), (4, 1)]
+  assert [(s.chips, s.hosts) for s in spec.serving] == [(4, 1)] * 24
   start = [str(c) for c in gcloud.start(spec)]
   trainers = [c for c in start if "asearcher train" in c]
   assert len(trainers) == 8
   for i, c in enumerate(trainers):
     assert f"--worker={i} " in c and f"JAX_PROCESS_ID={i} " in c and "JAX_NUM_PROCESSES=8 " in c
     assert "JAX_COORDINATOR_ADDRESS=TRAINER0_IP:8476" in c
-    assert c.count("addresses/as-32b-v5p-serve-") == 2  # every server's address file
+    assert c.count("addresses/as-32b-v5p-serve-") == 24  # every server's address file
   assert not any("serve-retrieval" in c for c in start)  # web tools: no retrieval server
   assert all("$SERPER_API_KEY" in c for c in trainers)  # a name, never a value
 
