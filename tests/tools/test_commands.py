@@ -52,6 +52,19 @@ def test_index_command_builds_then_reuses(tmp_path: Path) -> None:
   assert "Traceback" not in bad.stderr
 
 
+def _announced_address(proc: subprocess.Popen, addr_dir: Path, timeout_s: float = 60) -> str:
+  """The `ip:port` a serve-retrieval process writes to its discovery file (its output if it died)."""
+  deadline = time.monotonic() + timeout_s
+  files: list[Path] = []
+  while time.monotonic() < deadline and not files and proc.poll() is None:
+    files = list(addr_dir.glob("Host*_IP*.txt"))
+    time.sleep(0.1)
+  assert files, (
+    proc.stdout.read() if proc.poll() is not None else f"no address file in {timeout_s} s"
+  )
+  return files[0].read_text()
+
+
 def test_serve_retrieval_command_announces_serves_and_cleans_up(tmp_path: Path) -> None:
   addr_dir = tmp_path / "addrs"
   proc = subprocess.Popen(
@@ -70,13 +83,7 @@ def test_serve_retrieval_command_announces_serves_and_cleans_up(tmp_path: Path) 
     text=True,
   )
   try:
-    deadline = time.monotonic() + 60
-    files: list[Path] = []
-    while time.monotonic() < deadline and not files and proc.poll() is None:
-      files = list(addr_dir.glob("Host*_IP*.txt"))
-      time.sleep(0.1)
-    assert files, proc.stdout.read() if proc.poll() is not None else "no address file in 60 s"
-    address = files[0].read_text()
+    address = _announced_address(proc, addr_dir)
     assert address.startswith("127.0.0.1:")
     req = urllib.request.Request(
       f"http://{address}/retrieve",
@@ -152,13 +159,7 @@ def test_index_and_serve_a_prebuilt_faiss_file_from_the_command_line(tmp_path: P
     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
   )  # fmt: skip
   try:
-    deadline = time.monotonic() + 60
-    files: list[Path] = []
-    while time.monotonic() < deadline and not files and proc.poll() is None:
-      files = list(addr_dir.glob("Host*_IP*.txt"))
-      time.sleep(0.1)
-    assert files, proc.stdout.read() if proc.poll() is not None else "no address file in 60 s"
-    address = files[0].read_text()
+    address = _announced_address(proc, addr_dir)
 
     def post(path: str, payload: dict) -> dict:
       req = urllib.request.Request(f"http://{address}{path}", data=json.dumps(payload).encode(),

@@ -363,3 +363,18 @@ async def test_process_workers_answer_as_thread_workers_do(backend_index) -> Non
     assert status == 200 and body["result"] == [backend_index.pages.get(wiki_url("Lothair II"))]
   finally:
     await asyncio.wait_for(server.stop(), 30)
+
+
+async def test_process_workers_that_do_not_load_in_time_stop_the_start(backend_index) -> None:
+  """A server whose workers have not loaded the index in time refuses to listen, naming the
+  setting, rather than announcing itself and failing every request."""
+  cfg = RetrievalServerConfig(port=0, workers=1, worker_kind="process", worker_load_timeout_s=1e-3)
+  server = RetrievalServer(backend_index, cfg)
+  try:
+    with pytest.raises(RuntimeError, match="worker_load_timeout_s"):
+      await asyncio.wait_for(server.start(), 120)
+    assert server.port is None
+  finally:
+    await asyncio.wait_for(server.stop(), 60)
+  with pytest.raises(ValueError, match="worker_load_timeout_s must be > 0"):
+    RetrievalServerConfig(worker_load_timeout_s=0.0)

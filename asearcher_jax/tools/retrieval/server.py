@@ -65,6 +65,9 @@ class RetrievalServerConfig:
   # (memory-mapped for tantivy and faiss, so the page cache holds one copy; bm25s and the
   # passages of an in-memory index are loaded once a worker).
   worker_kind: Literal["thread", "process"] = "thread"
+  # Process workers: how long they may take to load the index before the server gives up
+  # (it does not listen until they have).
+  worker_load_timeout_s: float = 1800.0
   # While a batch is being scored, requests arriving within this many ms join the next batch
   # together; a request that finds the server idle is scored at once (no added latency).
   batch_window_ms: float = 2.0
@@ -84,6 +87,8 @@ class RetrievalServerConfig:
       raise ValueError(f"worker_kind must be 'thread' or 'process', got {self.worker_kind!r}")
     if not self.batch_window_ms >= 0:
       raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms!r}")
+    if not self.worker_load_timeout_s > 0:
+      raise ValueError(f"worker_load_timeout_s must be > 0, got {self.worker_load_timeout_s!r}")
     if not self.search_timeout_s > 0:
       raise ValueError(f"search_timeout_s must be > 0, got {self.search_timeout_s!r}")
 
@@ -405,12 +410,18 @@ class RetrievalServer:
       self.make_app(), access_log=None, keepalive_timeout=self.config.header_timeout_s
     )
     await self._runner.setup()
-    if self.config.worker_kind == "process":  # every worker has loaded the index before we listen
+    if self.config.worker_kind == "process":  # the workers load the index before we listen
       loop = asyncio.get_running_loop()
       ready = [
         loop.run_in_executor(self._executor, _worker_ready) for _ in range(self.config.workers)
       ]
-      await asyncio.gather(*ready)
+      try:
+        await asyncio.wait_for(asyncio.gather(*ready), self.config.worker_load_timeout_s)
+      except TimeoutError:
+        raise RuntimeError(
+          f"retrieval workers did not load {self.index.directory} within "
+          f"{self.config.worker_load_timeout_s:.0f} s (RetrievalServerConfig.worker_load_timeout_s)"
+        ) from None
     await http_guard.listen(self._runner, self.config.host, self.config.port)
     sockets = [s for s in self._runner.addresses if isinstance(s, tuple)]
     self.port = int(sockets[0][1])
