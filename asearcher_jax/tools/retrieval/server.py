@@ -161,7 +161,9 @@ class MicroBatcher:
   A request that finds every worker idle starts a batch at once. Otherwise requests queue: when
   a worker frees up, the queue is given `window_s` more to fill, then taken whole (up to
   `max_queries`) and split, by request, over the free workers. One `search_batch` call per
-  chunk; each request's futures resolve as soon as its own chunk is scored.
+  chunk; each request's futures resolve as soon as its own chunk is scored. Dispatch happens in
+  the callbacks themselves (no drain task): a freed worker takes the next batch before the
+  answers of the last one are written, so it never waits on the event loop's other work.
   """
 
   def __init__(
@@ -180,30 +182,31 @@ class MicroBatcher:
     self._window_s = window_s
     self._pending: collections.deque[tuple[list[str], int, asyncio.Future]] = collections.deque()
     self._busy = 0
-    self._freed = asyncio.Event()
-    self._drainer: asyncio.Task | None = None
+    self._window: asyncio.TimerHandle | None = None
     self.batches = 0
     self.queries = 0
 
   async def search(self, queries: list[str], k: int, timeout_s: float = 30.0) -> list[RowHits]:
     fut = asyncio.get_running_loop().create_future()
     self._pending.append((queries, k, fut))
-    if self._drainer is None or self._drainer.done():
-      self._drainer = asyncio.create_task(self._drain())
+    self._next()
     try:
       return await asyncio.wait_for(fut, timeout_s)
     except TimeoutError:
       raise SearchTimeout(f"search not answered within {timeout_s:g} s") from None
 
-  async def _drain(self) -> None:
-    while self._pending:
-      if self._busy >= self._workers:
-        self._freed.clear()
-        with contextlib.suppress(TimeoutError):  # re-checked every second, never stuck
-          await asyncio.wait_for(self._freed.wait(), 1.0)
-        continue
-      if self._busy and self._window_s > 0:  # under load: let the next batch fill
-        await asyncio.sleep(self._window_s)
+  def _next(self) -> None:
+    """Start a batch if a worker is free, after the window when another batch is running."""
+    if not self._pending or self._busy >= self._workers or self._window is not None:
+      return
+    if self._busy and self._window_s > 0:  # under load: let the next batch fill
+      self._window = asyncio.get_running_loop().call_later(self._window_s, self._window_closed)
+      return
+    self._dispatch(self._workers - self._busy)
+
+  def _window_closed(self) -> None:
+    self._window = None
+    if self._pending and self._busy < self._workers:
       self._dispatch(self._workers - self._busy)
 
   def _dispatch(self, free: int) -> None:
@@ -232,7 +235,7 @@ class MicroBatcher:
 
   def _finish(self, done: asyncio.Future, *, chunk: list, n: int) -> None:
     self._busy -= 1
-    self._freed.set()
+    self._next()  # keep the worker busy first; the answers below are written after
     if done.cancelled() or done.exception() is not None:
       # a scoring bug fails these requests (500), not the server
       error = RuntimeError("search cancelled") if done.cancelled() else done.exception()
