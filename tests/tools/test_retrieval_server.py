@@ -120,7 +120,7 @@ async def test_health_and_address_file(backend_server, tmp_path: Path):
     health = await resp.json()
   assert health["status"] == "ok" and health["passages"] == 8113
   assert health["backend"] == backend_server.index.manifest["backend"]
-  assert health["pages"] == 7583 and health["workers"] == 2
+  assert health["pages"] == 7583 and health["workers"] == 1
   assert len(health["corpus_sha256"]) == 64
   addr_file = backend_server.addr_file
   assert addr_file.name == f"Host127.0.0.1_IP{backend_server.port}.txt"

@@ -57,8 +57,9 @@ class RetrievalServerConfig:
   max_inflight: int = 1024
   # Most queries scored in one batch (split over the workers).
   micro_batch: int = 256
-  # Threads (or processes) that score batches (and look up pages) at once.
-  workers: int = 2
+  # Threads (or processes) that score batches (and look up pages) at once; more than 1 pays only
+  # with cores to spare beside the clients (docs/measurements.md: 2 cost ~21% q/s on 2 cores).
+  workers: int = 1
   # "thread": workers share this process's index and GIL (tantivy, faiss and numpy release it
   # while they score, but each search re-takes it, queued behind the event loop's Python);
   # "process": each worker is a process with its own GIL that loads the index directory itself
@@ -235,7 +236,12 @@ class MicroBatcher:
 
   def _finish(self, done: asyncio.Future, *, chunk: list, n: int) -> None:
     self._busy -= 1
-    self._next()  # keep the worker busy first; the answers below are written after
+    try:
+      self._next()  # keep the worker busy first; the answers below are written after
+    finally:
+      self._answer(done, chunk=chunk, n=n)
+
+  def _answer(self, done: asyncio.Future, *, chunk: list, n: int) -> None:
     if done.cancelled() or done.exception() is not None:
       # a scoring bug fails these requests (500), not the server
       error = RuntimeError("search cancelled") if done.cancelled() else done.exception()
