@@ -119,8 +119,7 @@ def attend_blocked(
 
 def paged_attention(
   q: jax.Array,
-  k_pages: jax.Array,
-  v_pages: jax.Array,
+  kv_pages: jax.Array,
   table: jax.Array,
   positions: jax.Array,
   attend_len: int,
@@ -132,11 +131,12 @@ def paged_attention(
   [B, n] (n * page_size >= attend_len) names the pages holding the row's positions 0, 1, ...;
   query t sees the keys at positions <= positions[b, t] (its own length) and nothing beyond.
 
-  The reference: the row's pages are gathered end to end into the [B, attend_len] layout a
-  fixed cache has and attended exactly as `attend_blocked` does, so both layouts give the same
-  numbers. Pools are [num_pages, page_size, K, hd] (`kv_cache.PagedKVCache`)."""
-  keys = kv_cache.paged_gather(k_pages, table)[:, :attend_len].astype(q.dtype)
-  values = kv_cache.paged_gather(v_pages, table)[:, :attend_len].astype(q.dtype)
+  The reference ("gather"): the row's pages are gathered end to end into the [B, attend_len]
+  layout a fixed cache has and attended exactly as `attend_blocked` does, so both layouts give
+  the same numbers. The pool is combined, [num_pages, page_size, 2K, hd] (`kv_cache.PagedKVCache`;
+  K may be the model's heads repeated, which grouped-query attention reads the same)."""
+  keys, values = kv_cache.paged_gather(kv_pages, table)
+  keys, values = keys[:, :attend_len].astype(q.dtype), values[:, :attend_len].astype(q.dtype)
   mask = jnp.arange(attend_len)[None, None, :] <= positions[:, :, None]
   return attend_blocked(q, keys, values, mask, block, causal=causal)
 

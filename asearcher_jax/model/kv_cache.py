@@ -10,6 +10,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from asearcher_jax.model.config import ModelConfig
 
@@ -63,20 +64,37 @@ def write_rows(buf: jax.Array, new: jax.Array, rows: jax.Array, start: jax.Array
 NULL_PAGE = 0
 
 
+# How a paged cache's attention reads its pages (`PagedKVCache.attention`):
+#   "gather": each row's pages gathered end to end and attended as a fixed cache row is
+#     (`attention.paged_attention`); runs everywhere, the reference the others must equal;
+#   "ragged": JAX's ragged paged attention TPU kernel, each sequence over its own length
+#     (`ragged_paged`); TPU only;
+#   "ragged_reference": the same ragged program with the kernel's pure-JAX stand-in
+#     (`ragged_paged.reference`), so CPU tests run the inputs the kernel gets.
+PAGED_ATTENTION = ("gather", "ragged", "ragged_reference")
+
+
 @flax.struct.dataclass
 class PagedKVCache:
-  """Per-layer key and value page pools and the page table that maps each slot's positions.
+  """Per-layer page pools of keys and values, and the page table that maps each slot's positions.
 
-  The layout the TPU ragged-paged-attention kernel reads, so it can replace the gather: per
-  layer `k[l]`, `v[l]` of shape [num_pages, page_size, kv_heads, head_dim]; `page_table`
-  [slots, pages_per_seq] int32, position p of slot s living at (page_table[s, p // page_size],
-  p % page_size). Per-slot lengths stay with the caller (the engine's DecodeState). Shapes are
-  fixed (every slot has a full-length table row), so nothing recompiles as sequences grow.
+  The layout the TPU ragged-paged-attention kernel reads, so it runs on the pools in place: per
+  layer one pool `kv[l]` of shape [num_pages, page_size, 2 * kv_heads, head_dim], head h's keys
+  at 2h and its values at 2h + 1 (`split_kv`); `page_table` [slots, pages_per_seq] int32,
+  position p of slot s living at (page_table[s, p // page_size], p % page_size). kv_heads may be
+  the model's KV heads repeated (`ragged_paged.kv_repeat`: one copy per tensor-parallel chip),
+  which changes no result. Per-slot lengths stay with the caller (the engine's DecodeState).
+  Shapes are fixed (every slot has a full-length table row), so nothing recompiles as sequences
+  grow.
   """
 
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  kv: tuple[jax.Array, ...]
   page_table: jax.Array
+  # How attention reads the pages (PAGED_ATTENTION); static, part of the compiled program.
+  attention: str = flax.struct.field(pytree_node=False, default="gather")
+  # The mesh whose "tensor" axis splits the pools' heads, where the ragged kernel runs per chip
+  # on its own heads (shard_map); None: one device, or pools not split.
+  mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def init(
@@ -88,13 +106,19 @@ class PagedKVCache:
     page_size: int,
     pages_per_seq: int,
     dtype: str | None = None,
+    repeat: int = 1,
+    attention: str = "gather",
+    mesh: Mesh | None = None,
   ) -> PagedKVCache:
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.resolved_head_dim)
+    if attention not in PAGED_ATTENTION:
+      raise ValueError(f"paged attention must be one of {PAGED_ATTENTION}, got {attention!r}")
+    shape = (num_pages, page_size, 2 * cfg.num_kv_heads * repeat, cfg.resolved_head_dim)
     dt = jnp.dtype(dtype or cfg.dtype)
     return cls(
-      k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
-      v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
+      kv=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
       page_table=jnp.full((slots, pages_per_seq), NULL_PAGE, jnp.int32),
+      attention=attention,
+      mesh=mesh,
     )
 
   @property
@@ -103,15 +127,47 @@ class PagedKVCache:
 
   @property
   def page_size(self) -> int:
-    return self.k[0].shape[1]
+    return self.kv[0].shape[1]
 
   @property
   def num_pages(self) -> int:
-    return self.k[0].shape[0]
+    return self.kv[0].shape[0]
+
+  @property
+  def kv_heads(self) -> int:
+    """KV heads the pools hold (the model's, times any repeat)."""
+    return self.kv[0].shape[2] // 2
 
   @property
   def max_len(self) -> int:
     return self.page_table.shape[1] * self.page_size
+
+  @property
+  def k(self) -> tuple[jax.Array, ...]:
+    """Each layer's keys [num_pages, page_size, kv_heads, head_dim] (a copy; for reading)."""
+    return tuple(split_kv(p)[0] for p in self.kv)
+
+  @property
+  def v(self) -> tuple[jax.Array, ...]:
+    return tuple(split_kv(p)[1] for p in self.kv)
+
+
+def combine_kv(k: jax.Array, v: jax.Array) -> jax.Array:
+  """[..., K, hd] keys and values -> [..., 2K, hd], head h's keys at 2h and values at 2h + 1."""
+  return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+
+
+def split_kv(kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """[..., 2K, hd] combined -> ([..., K, hd] keys, [..., K, hd] values)."""
+  pairs = kv.reshape(*kv.shape[:-2], kv.shape[-2] // 2, 2, kv.shape[-1])
+  return pairs[..., 0, :], pairs[..., 1, :]
+
+
+def repeat_heads(x: jax.Array, heads: int) -> jax.Array:
+  """[..., K, hd] -> [..., heads, hd], each head repeated heads / K times (head j of the result
+  is head j // (heads / K)): what a cache of duplicated heads stores."""
+  k = x.shape[-2]
+  return x if heads == k else jnp.repeat(x, heads // k, axis=-2)
 
 
 def page_coordinates(
@@ -125,23 +181,26 @@ def page_coordinates(
   return jnp.where(inside, page, NULL_PAGE), positions % page_size
 
 
-def paged_write(pages: jax.Array, new: jax.Array, page: jax.Array, offset: jax.Array) -> jax.Array:
-  """Writes new[b, t] ([B, T, K, hd]) at (page[b, t], offset[b, t]) of the pool. Distinct except
-  on the null page (several rows may drop their writes there: any one of them wins)."""
-  return pages.at[page, offset].set(new.astype(pages.dtype))
+def paged_write(
+  pool: jax.Array, k: jax.Array, v: jax.Array, page: jax.Array, offset: jax.Array
+) -> jax.Array:
+  """Writes keys and values k[b, t], v[b, t] ([B, T, K, hd], K the model's heads: repeated to the
+  pool's) at (page[b, t], offset[b, t]) of a combined pool. Distinct except on the null page
+  (several rows may drop their writes there: any one of them wins)."""
+  heads = pool.shape[2] // 2
+  new = combine_kv(repeat_heads(k, heads), repeat_heads(v, heads))
+  return pool.at[page, offset].set(new.astype(pool.dtype))
 
 
-def paged_gather(pages: jax.Array, table: jax.Array) -> jax.Array:
-  """The pages of table rows [B, n] laid end to end: [B, n * page_size, K, hd] (the reference
-  read; a position's keys sit where a fixed cache row would hold them)."""
+def paged_gather(pool: jax.Array, table: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The pages of table rows [B, n] laid end to end: keys and values [B, n * page_size, K, hd]
+  each (the reference read; a position's keys sit where a fixed cache row would hold them)."""
   b, n = table.shape
-  out = pages[table]  # [B, n, page_size, K, hd]
-  return out.reshape(b, n * pages.shape[1], *pages.shape[2:])
+  out = pool[table]  # [B, n, page_size, 2K, hd]
+  return split_kv(out.reshape(b, n * pool.shape[1], *pool.shape[2:]))
 
 
 def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
   """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write of a shared page before a
   sequence writes into it); pairs (NULL_PAGE, NULL_PAGE) pad a call to a fixed size."""
-  return cache.replace(
-    k=tuple(p.at[dst].set(p[src]) for p in cache.k), v=tuple(p.at[dst].set(p[src]) for p in cache.v)
-  )
+  return cache.replace(kv=tuple(p.at[dst].set(p[src]) for p in cache.kv))

@@ -10,11 +10,9 @@ decode mixed -- over a paged KV cache, each sequence over its own length only. I
   page_indices [max_seqs, pages_per_seq] int32: the page table;
   cu_q_lens    [max_seqs + 1] int32: where each sequence's queries start in q;
   num_seqs     [1] int32: how many of the rows are real.
-Our cache keeps keys and values apart (`k_pages`, `v_pages` of [num_pages, page_size, kv_heads,
-head_dim] per layer, model/kv_cache.py); `combine_kv` / `split_kv` convert. Interleaving copies
-the whole pool, so an engine that runs the kernel every step should store the combined layout
-(`ragged_paged_attention_combined`); the separate-layout entry point is for tests and callers
-that convert once.
+Our paged cache stores this combined layout (`kv_cache.PagedKVCache.kv`), so the engine runs the
+kernel on its pools in place (`Transformer.extend` over a cache whose `attention` is "ragged",
+through `attention`); `combine_kv` / `split_kv` convert separate k/v pools for tests.
 
 Block sizes are explicit (`RaggedBlocks`): left unset, the kernel looks them up from the local
 device's kind (`jax.devices()[0].device_kind`), which on a host compiling ahead of time for a TPU
@@ -30,14 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.transformer import Transformer
+from asearcher_jax.model.kv_cache import combine_kv, split_kv
+
+if TYPE_CHECKING:  # the transformer imports this module for its attention
+  from asearcher_jax.model.transformer import Transformer
 
 _NEG_INF = -1e30
 
@@ -59,18 +62,6 @@ class RaggedBlocks:
         f"RaggedBlocks.kv_pages_per_block and queries_per_block must be positive, got "
         f"{self.kv_pages_per_block}, {self.queries_per_block}"
       )
-
-
-def combine_kv(k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
-  """[P, ps, K, hd] keys and values -> the kernel's [P, ps, 2K, hd] (head h: k at 2h, v at
-  2h + 1)."""
-  p, ps, k, hd = k_pages.shape
-  return jnp.stack([k_pages, v_pages], axis=3).reshape(p, ps, 2 * k, hd)
-
-
-def split_kv(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The kernel's combined pages -> (k_pages, v_pages)."""
-  return kv_pages[:, :, 0::2], kv_pages[:, :, 1::2]
 
 
 def ragged_paged_attention_combined(
@@ -178,10 +169,11 @@ def paged_decode_attention(
 
 def kv_repeat(model: ModelConfig, tensor: int) -> int:
   """Copies of each KV head a replica of `tensor` chips keeps: tensor / num_kv_heads where the
-  chips outnumber the heads (and divide by them), so that every chip holds one head's keys and
-  values instead of all of them; 1 otherwise."""
+  chips outnumber the heads (and divide by them) and split the query heads, so that every chip
+  holds one head's keys and values instead of all of them; 1 otherwise."""
   k = model.num_kv_heads
-  return tensor // k if tensor > k and tensor % k == 0 else 1
+  split = model.num_heads % tensor == 0  # the query heads split too (else attention replicates)
+  return tensor // k if split and tensor > k and tensor % k == 0 else 1
 
 
 def token_pages(
@@ -199,19 +191,32 @@ def token_pages(
   return page, positions % page_size
 
 
-def _attention(
-  q: jax.Array, kv: jax.Array, lengths, page_table, cu, num, *, kernel: bool, blocks: RaggedBlocks
+def attention(
+  q: jax.Array,
+  kv: jax.Array,
+  lengths: jax.Array,
+  page_table: jax.Array,
+  cu: jax.Array,
+  num: jax.Array,
+  *,
+  kernel: bool,
+  blocks: RaggedBlocks = RaggedBlocks(),
+  mesh: Mesh | None = None,
 ) -> jax.Array:
-  """Ragged attention of q [N, H, hd] over combined pages; under an activation mesh whose
-  "tensor" axis splits the heads, the kernel runs per chip on its own heads (shard_map)."""
+  """Ragged attention of q [N, H, hd] over combined pages (the module docstring's inputs): the
+  kernel, or `reference` where kernel is False. Over a mesh whose "tensor" axis splits the
+  heads (`mesh`, or else an enclosing activation mesh), the kernel runs per chip on its own
+  heads (shard_map): a Pallas call is not partitioned by the compiler, which would gather the
+  whole pool onto every chip."""
   if not kernel:
     k_pages, v_pages = split_kv(kv)
     return reference(q, k_pages, v_pages, lengths, page_table, cu, num)
   fn = functools.partial(ragged_paged_attention_combined, blocks=blocks)
-  ctx = sharding_lib.activation_context()
-  if ctx is None or ctx[0].shape["tensor"] == 1:
+  if mesh is None:
+    ctx = sharding_lib.activation_context()
+    mesh = None if ctx is None else ctx[0]
+  if mesh is None or mesh.shape["tensor"] == 1:
     return fn(q, kv, lengths, page_table, cu, num)
-  mesh = ctx[0]
   heads, rep = P(None, "tensor", None), P()
   return jax.shard_map(
     fn, mesh=mesh, in_specs=(heads, P(None, None, "tensor", None), rep, rep, rep, rep),
@@ -257,7 +262,7 @@ def paged_step(
     v = sharding_lib.constrain(v, ("batch", "length", "act_kv_heads", None))
     new = jnp.stack([k[0], v[0]], axis=2).reshape(n, -1, cfg.resolved_head_dim)
     kv = kv.at[page, offset].set(new.astype(kv.dtype))
-    out = _attention(q[0], kv, lengths, page_table, cu_q_lens, num_seqs, kernel=kernel,
+    out = attention(q[0], kv, lengths, page_table, cu_q_lens, num_seqs, kernel=kernel,
                      blocks=blocks)  # fmt: skip
     x = x + attn.o_proj(out.reshape(1, n, -1))
     x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -17,9 +17,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from asearcher_jax.model import attention as attention_lib
 from asearcher_jax.model import kv_cache as kv_lib
+from asearcher_jax.model import ragged_paged
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.kv_cache import KVCache, PagedKVCache, write, write_rows
@@ -33,6 +35,11 @@ class PageView(NamedTuple):
   write_page: jax.Array  # [B, T] page of each new token's keys/values (the null page: dropped)
   write_offset: jax.Array  # [B, T]
   read_table: jax.Array  # [B, n] the pages that hold each row's first n * page_size positions
+  # [B] each row's length through this call's tokens (ragged attention's kv_lens), at most
+  # n * page_size (a row riding along past the window attends it whole; its output is unused)
+  lengths: jax.Array
+  attention: str  # kv_cache.PAGED_ATTENTION: how the pages are read
+  mesh: Mesh | None  # where the ragged kernel runs per chip on its heads (PagedKVCache.mesh)
 
 
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -140,23 +147,32 @@ class Attention(nnx.Module):
     positions: jax.Array,
     start: jax.Array,
     k_buf: jax.Array,
-    v_buf: jax.Array,
+    v_buf: jax.Array | None,
     attend_len: int | None = None,
     rows: jax.Array | None = None,
     fresh: bool = False,
     pages: PageView | None = None,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Attention of x's new tokens over a fixed cache row (k_buf, v_buf) or, given `pages`, a
+    combined page pool (k_buf; v_buf None, and None comes back in its place)."""
     q, k, v = self._qkv(x, rope)
     # Only the first attend_len cache positions are read (the caller guarantees every row's
     # keys live there): decode cost follows the live context, not the cache size.
     n = k_buf.shape[1] if attend_len is None else attend_len
-    if pages is not None:  # k_buf, v_buf are page pools: scatter the new keys, attend the row's
-      k_buf = kv_lib.paged_write(k_buf, k, pages.write_page, pages.write_offset)
-      v_buf = kv_lib.paged_write(v_buf, v, pages.write_page, pages.write_offset)
-      out = attention_lib.paged_attention(
-        q, k_buf, v_buf, pages.read_table, positions, n, self.cfg.attention_block, causal=fresh
-      )
-      return self.o_proj(out.reshape(x.shape[0], x.shape[1], -1)), k_buf, v_buf
+    if pages is not None:  # k_buf is a combined page pool: scatter the new keys, attend the row's
+      pool = kv_lib.paged_write(k_buf, k, v, pages.write_page, pages.write_offset)
+      if pages.attention == "gather":
+        out = attention_lib.paged_attention(
+          q, pool, pages.read_table, positions, n, self.cfg.attention_block, causal=fresh
+        )
+      else:  # rows end to end, each its own sequence of T queries, over its own length
+        b, t = x.shape[:2]
+        out = ragged_paged.attention(
+          q.reshape(b * t, *q.shape[2:]), pool, pages.lengths, pages.read_table,
+          jnp.arange(b + 1, dtype=jnp.int32) * t, jnp.full((1,), b, jnp.int32),
+          kernel=pages.attention == "ragged", mesh=pages.mesh,
+        ).reshape(q.shape)  # fmt: skip
+      return self.o_proj(out.reshape(x.shape[0], x.shape[1], -1)), pool, None
     if rows is None:
       k_buf, v_buf = write(k_buf, k, start), write(v_buf, v, start)
       keys, values = k_buf[:, :n], v_buf[:, :n]
@@ -430,8 +446,17 @@ class Transformer(nnx.Module):
       if write_len is not None:
         valid = jnp.arange(tokens.shape[1])[None, :] < write_len[:, None]
       page, offset = kv_lib.page_coordinates(table, positions, valid, cache.page_size)
-      view = PageView(page, offset, table[:, : -(-n // cache.page_size)])
+      read = table[:, : -(-n // cache.page_size)]
+      lengths = jnp.minimum(start + tokens.shape[1], read.shape[1] * cache.page_size)
+      view = PageView(page, offset, read, lengths.astype(jnp.int32), cache.attention, cache.mesh)
       rows = None  # the table rows already select the pages
+      pools = []
+      for layer, pool in zip(self.layers, cache.kv, strict=True):
+        x, pool, _ = layer.extend(x, rope, positions, start, pool, None, attend_len, rows, fresh,
+                                  view)  # fmt: skip
+        pools.append(pool)
+      out = x if return_hidden else self.logits(x)
+      return out, cache.replace(kv=tuple(pools))
     ks, vs = [], []
     for layer, k_buf, v_buf in zip(self.layers, cache.k, cache.v, strict=True):
       x, k_buf, v_buf = layer.extend(

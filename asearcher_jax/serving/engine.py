@@ -17,21 +17,23 @@ import dataclasses
 import functools
 import time
 from collections.abc import Collection, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asearcher_jax.model import ragged_paged
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
-from asearcher_jax.model.kv_cache import KVCache, PagedKVCache
+from asearcher_jax.model.kv_cache import PAGED_ATTENTION, KVCache, PagedKVCache
 from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine_steps import DecodeState, Prefix, VersionedParams
 from asearcher_jax.serving.jetstream import EngineContract, engine_api
 from asearcher_jax.serving.mesh import (
+  CACHE_HEADS,
   ServingMeshConfig,
   cache_sharding,
   engine_rules,
@@ -76,6 +78,13 @@ class EngineConfig:
   page_size: positions per page ("paged"); max_seq_len must be a multiple of it.
   num_pages: pages in the pool, page 0 reserved as the null page ("paged"); 0: the fixed
     layout's memory, max_slots * max_seq_len / page_size, plus the null page.
+  paged_attention: how attention reads the pages ("paged"; model/kv_cache.py PAGED_ATTENTION).
+    "gather": each slot's pages gathered end to end (pure JAX, every backend); "ragged": JAX's
+    ragged paged attention TPU kernel, each sequence over its own length only; "ragged_reference":
+    the kernel's program with a pure-JAX stand-in (what CPU tests check the kernel's inputs with);
+    "auto": ragged on TPU, gather elsewhere. Either way, where the tensor-parallel degree exceeds
+    the KV heads (and divides by them) the pools hold each head once per chip
+    (`ragged_paged.kv_repeat`), so every chip keeps one head's pages instead of all of them.
   """
 
   max_slots: int = 8
@@ -90,6 +99,7 @@ class EngineConfig:
   kv_layout: Literal["fixed", "paged"] = "fixed"
   page_size: int = 16
   num_pages: int = 0
+  paged_attention: Literal["auto", "gather", "ragged", "ragged_reference"] = "auto"
 
   def __post_init__(self):
     if self.max_slots < 1 or self.max_seq_len < 2:
@@ -102,6 +112,11 @@ class EngineConfig:
       raise ValueError(f"suffix_batch must contain 1 and no size below 1, got {self.suffix_batch}")
     if self.kv_layout not in ("fixed", "paged"):
       raise ValueError(f"EngineConfig.kv_layout must be fixed or paged, got {self.kv_layout!r}")
+    if self.paged_attention not in ("auto", *PAGED_ATTENTION):
+      raise ValueError(
+        f"EngineConfig.paged_attention must be auto, gather, ragged or ragged_reference, got "
+        f"{self.paged_attention!r}"
+      )
     if self.page_size < 1 or self.max_seq_len % self.page_size:
       raise ValueError(
         f"EngineConfig.page_size={self.page_size} must divide max_seq_len={self.max_seq_len}"
@@ -611,22 +626,50 @@ class Engine(EngineContract):
     """An empty decode state, created in place on the mesh: the KV cache (or page pools) split
     by KV heads (no full copy on one device first), the per-slot arrays (and a page table that
     maps nothing) replicated."""
-    make = functools.partial(_empty_state, self.model_cfg, self.cfg)
+    make = functools.partial(_empty_state, self.model_cfg, self.cfg, self._pages_layout())
     abstract = jax.eval_shape(make)
     shardings = jax.tree.map(lambda _: self._replicated, abstract)
-    kv = cache_sharding(self._mesh, self._rules, abstract.cache.k[0].shape)
-    cache = shardings.cache.replace(
-      k=(kv,) * len(abstract.cache.k), v=(kv,) * len(abstract.cache.v)
-    )
+    if self.paged:
+      kv = cache_sharding(self._mesh, self._rules, abstract.cache.kv[0].shape)
+      cache = shardings.cache.replace(kv=(kv,) * len(abstract.cache.kv))
+    else:
+      kv = cache_sharding(self._mesh, self._rules, abstract.cache.k[0].shape)
+      cache = shardings.cache.replace(
+        k=(kv,) * len(abstract.cache.k), v=(kv,) * len(abstract.cache.v)
+      )
     return jax.jit(make, out_shardings=shardings.replace(cache=cache))()
 
+  @property
+  def paged_attention(self) -> str:
+    """How this engine's paged attention reads its pages ("auto" resolved for its devices)."""
+    if self.cfg.paged_attention != "auto":
+      return self.cfg.paged_attention
+    return "ragged" if self._mesh.devices.flat[0].platform == "tpu" else "gather"
 
-def _empty_state(model_cfg: ModelConfig, cfg: EngineConfig) -> DecodeState:
+  def _pages_layout(self) -> _PagesLayout:
+    t = self._mesh.shape["tensor"]
+    split = t > 1 and self._rules[CACHE_HEADS] == "tensor"
+    return _PagesLayout(
+      attention=self.paged_attention, repeat=ragged_paged.kv_repeat(self.model_cfg, t),
+      mesh=self._mesh if split else None,
+    )  # fmt: skip
+
+
+class _PagesLayout(NamedTuple):
+  """How an engine's page pools are laid out and read (see EngineConfig.paged_attention)."""
+
+  attention: str  # kv_cache.PAGED_ATTENTION
+  repeat: int  # copies of each KV head the pools hold (ragged_paged.kv_repeat)
+  mesh: jax.sharding.Mesh | None  # the mesh that splits the pools' heads, if any
+
+
+def _empty_state(model_cfg: ModelConfig, cfg: EngineConfig, pages: _PagesLayout) -> DecodeState:
   s = cfg.max_slots
   if cfg.kv_layout == "paged":
     cache = PagedKVCache.init(
       model_cfg, slots=s, num_pages=cfg.pool_pages, page_size=cfg.page_size,
-      pages_per_seq=cfg.pages_per_seq,
+      pages_per_seq=cfg.pages_per_seq, repeat=pages.repeat, attention=pages.attention,
+      mesh=pages.mesh,
     )  # fmt: skip
   else:
     cache = KVCache.init(model_cfg, batch=s, max_len=cfg.max_seq_len)

@@ -126,10 +126,8 @@ def _put_prefix(cache: KVCache | PagedKVCache, prefix: KVCache, slot, true_lengt
     positions = jnp.arange(prefix.max_len)[None]
     table = jax.lax.dynamic_slice_in_dim(cache.page_table, slot, 1, axis=0)
     page, off = kv_lib.page_coordinates(table, positions, positions < true_length, cache.page_size)
-    return cache.replace(
-      k=tuple(kv_lib.paged_write(b, n, page, off) for b, n in zip(cache.k, prefix.k, strict=True)),
-      v=tuple(kv_lib.paged_write(b, n, page, off) for b, n in zip(cache.v, prefix.v, strict=True)),
-    )
+    pairs = zip(cache.kv, prefix.k, prefix.v, strict=True)
+    return cache.replace(kv=tuple(kv_lib.paged_write(b, k, v, page, off) for b, k, v in pairs))
 
   def put(buf, new):
     return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from asearcher_jax.model import kv_cache as kv_lib
@@ -27,14 +28,23 @@ def _extend(model, tokens, start, cache, rows=None, write_len=None):
   return model.extend(tokens, start, cache, 16, rows=rows, write_len=write_len)
 
 
-def test_prefill_and_decode_over_pages_equal_the_fixed_cache():
+# How the pages are read, and copies of each KV head: the fixed cache is the oracle of each.
+READS = pytest.mark.parametrize(
+  "attention,repeat",
+  [("gather", 1), ("ragged_reference", 1), ("gather", 2), ("ragged_reference", 2)],
+)
+
+
+@READS
+def test_prefill_and_decode_over_pages_equal_the_fixed_cache(attention, repeat):
   cfg = small_cfg(vocab_size=101)
   model = _model(cfg, seed=3)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 100, (B, 8)))
   fixed = KVCache.init(cfg, batch=B, max_len=MAX_LEN)
   paged = PagedKVCache.init(
-    cfg, slots=B, num_pages=1 + B * PAGES_PER_SEQ, page_size=PAGE, pages_per_seq=PAGES_PER_SEQ
-  )
+    cfg, slots=B, num_pages=1 + B * PAGES_PER_SEQ, page_size=PAGE, pages_per_seq=PAGES_PER_SEQ,
+    attention=attention, repeat=repeat,
+  )  # fmt: skip
   paged = paged.replace(page_table=jnp.asarray(_scattered_table(paged.num_pages)))
   zeros = jnp.zeros((B,), jnp.int32)
   want, fixed = _extend(model, tokens, zeros, fixed)
@@ -55,7 +65,8 @@ def test_prefill_and_decode_over_pages_equal_the_fixed_cache():
   assert int(start[1]) == 11
 
 
-def test_a_few_rows_of_a_large_table_and_a_suffix_over_shared_pages():
+@READS
+def test_a_few_rows_of_a_large_table_and_a_suffix_over_shared_pages(attention, repeat):
   """Rows map to table rows (a decode over a few slots), and two rows whose tables share their
   first pages attend the same prefix keys: the suffix of one equals a fixed-cache continuation."""
   cfg = small_cfg(vocab_size=101)
@@ -66,7 +77,8 @@ def test_a_few_rows_of_a_large_table_and_a_suffix_over_shared_pages():
   _, fixed = _extend(model, prompt, jnp.zeros((1,), jnp.int32), fixed)
   want, fixed = _extend(model, suffix, jnp.asarray([8], jnp.int32), fixed)
 
-  paged = PagedKVCache.init(cfg, slots=4, num_pages=12, page_size=PAGE, pages_per_seq=8)
+  paged = PagedKVCache.init(cfg, slots=4, num_pages=12, page_size=PAGE, pages_per_seq=8,
+                            attention=attention, repeat=repeat)  # fmt: skip
   table = np.zeros((4, 8), np.int32)
   table[2, :2] = [5, 3]  # the prompt's two pages, written through slot 2
   table[0, :3] = [5, 3, 9]  # slot 0 maps them, and a page of its own for the suffix
@@ -92,8 +104,26 @@ def test_page_coordinates_and_copy_pages():
   assert offset.tolist() == [[0, 1, 1, 0, 1]]
   cfg = small_cfg(vocab_size=101)
   cache = PagedKVCache.init(cfg, slots=1, num_pages=6, page_size=4, pages_per_seq=3)
-  cache = cache.replace(k=tuple(p.at[2].set(1.0) for p in cache.k))
+  cache = cache.replace(kv=tuple(p.at[2].set(1.0) for p in cache.kv))
   copied = kv_lib.copy_pages(cache, jnp.asarray([2, 0]), jnp.asarray([5, 0]))
   np.testing.assert_array_equal(np.asarray(copied.k[0][5]), 1.0)
-  np.testing.assert_array_equal(np.asarray(copied.k[0][2]), 1.0)
-  assert transformer.PageView._fields == ("write_page", "write_offset", "read_table")
+  np.testing.assert_array_equal(np.asarray(copied.v[0][2]), 1.0)
+  assert transformer.PageView._fields[:3] == ("write_page", "write_offset", "read_table")
+
+
+def test_combined_pools_interleave_keys_and_values_and_repeat_heads():
+  """The pools hold the kernel's layout: head h's keys at 2h, its values at 2h + 1, and with a
+  repeat each model head once per copy, side by side."""
+  cfg = small_cfg(vocab_size=101)  # 2 KV heads
+  cache = PagedKVCache.init(cfg, slots=1, num_pages=3, page_size=2, pages_per_seq=2, repeat=2)
+  assert cache.kv_heads == 4 and cache.kv[0].shape[2] == 8
+  k = jnp.arange(2 * 8, dtype=jnp.float32).reshape(1, 1, 2, 8)  # [B, T, K, hd]
+  v = -k
+  pool = kv_lib.paged_write(cache.kv[0], k, v, jnp.asarray([[2]]), jnp.asarray([[1]]))
+  got = np.asarray(pool[2, 1])  # [2 * 4, hd]
+  for j in range(4):  # cache head j holds model head j // 2
+    np.testing.assert_array_equal(got[2 * j], np.asarray(k[0, 0, j // 2]))
+    np.testing.assert_array_equal(got[2 * j + 1], np.asarray(v[0, 0, j // 2]))
+  keys, values = kv_lib.paged_gather(pool, jnp.asarray([[1, 2]]))
+  np.testing.assert_array_equal(np.asarray(keys[0, 3]), got[0::2])
+  np.testing.assert_array_equal(np.asarray(values[0, 3]), got[1::2])
