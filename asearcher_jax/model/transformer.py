@@ -35,8 +35,8 @@ class PageView(NamedTuple):
   write_page: jax.Array  # [B, T] page of each new token's keys/values (the null page: dropped)
   write_offset: jax.Array  # [B, T]
   read_table: jax.Array  # [B, n] the pages that hold each row's first n * page_size positions
-  # [B] each row's length through this call's tokens (ragged attention's kv_lens), at most
-  # n * page_size (a row riding along past the window attends it whole; its output is unused)
+  # [B] each row's length through this call's tokens (ragged attention's kv_lens; its queries
+  # sit at lengths - T .. lengths - 1), at most read_table's positions
   lengths: jax.Array
   attention: str  # kv_cache.PAGED_ATTENTION: how the pages are read
   mesh: Mesh | None  # where the ragged kernel runs per chip on its heads (PagedKVCache.mesh)
@@ -446,7 +446,9 @@ class Transformer(nnx.Module):
       if write_len is not None:
         valid = jnp.arange(tokens.shape[1])[None, :] < write_len[:, None]
       page, offset = kv_lib.page_coordinates(table, positions, valid, cache.page_size)
-      read = table[:, : -(-n // cache.page_size)]
+      # The gather reads the window's pages; ragged attention reads each row's own length only,
+      # which for a padded suffix may pass the window (query positions follow from the length).
+      read = table[:, : -(-n // cache.page_size)] if cache.attention == "gather" else table
       lengths = jnp.minimum(start + tokens.shape[1], read.shape[1] * cache.page_size)
       view = PageView(page, offset, read, lengths.astype(jnp.int32), cache.attention, cache.mesh)
       rows = None  # the table rows already select the pages

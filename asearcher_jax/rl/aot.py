@@ -350,3 +350,53 @@ def compile_serving(
   n = prefill_tokens
   out["prefill"] = compile_report(fn, (params, kv, i32(n), i32(n), *table), hbm)
   return out
+
+
+def compile_engine_decode(
+  model: ModelConfig,
+  engine_cfg: Any,
+  *,
+  slice_name: str,
+  window: int,
+  mode: str = "greedy",
+) -> dict[str, Any]:
+  """Compiles the engine's own decode step (`engine_steps.GENERATE`: every slot one token, what
+  the driver dispatches) for one serving replica on the named slice, tensor parallel over its
+  chips, with the decode state `Engine.init_decode_state` would build there (`engine_cfg`, an
+  `EngineConfig`: with kv_layout "paged" and paged_attention "auto" or "ragged", the ragged
+  kernel reads the pools in place). `window` is the attended length (a prefill bucket). Returns
+  the per-chip `memory_report` + compile_s, whether the Pallas kernel is in the program, and the
+  pools' KV heads per chip."""
+  from asearcher_jax.serving import engine as engine_lib
+  from asearcher_jax.serving import engine_steps
+  from asearcher_jax.serving import mesh as serving_mesh
+
+  s = tpu_slice(slice_name)
+  devices = slice_devices(s)
+  tp = len(devices)
+  m = sharding_lib.make_mesh(data=1, fsdp=1, tensor=tp, devices=devices)
+  rules = serving_mesh.engine_rules(model, tp)
+  graphdef, params = steps.abstract_params(model, mesh=m, rules=rules)
+  rep = NamedSharding(m, PartitionSpec())
+  version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+  versioned = engine_steps.VersionedParams(state=params, version=version)
+  make, shardings = engine_lib.decode_state_program(model, engine_cfg, m)
+  state = jax.tree.map(
+    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), jax.eval_shape(make),
+    shardings,
+  )  # fmt: skip
+  t0 = time.perf_counter()
+  lowered = engine_steps.GENERATE.lower(graphdef, window, mode, versioned, state)
+  report = memory_report(lowered.compile(), s.hbm_gib * GIB)
+  pool = state.cache.kv[0] if engine_cfg.kv_layout == "paged" else state.cache.k[0]
+  per_chip = pool.sharding.shard_shape(pool.shape)[2]
+  return {
+    "topology": s.name,
+    "chips": tp,
+    "paged_attention": getattr(state.cache, "attention", None),
+    "kernel_in_program": "tpu_custom_call" in lowered.as_text(),
+    "kv_repeat": ragged_paged.kv_repeat(model, tp),
+    "kv_heads_per_chip": per_chip // 2 if engine_cfg.kv_layout == "paged" else per_chip,
+    **report,
+    "compile_s": round(time.perf_counter() - t0, 2),
+  }

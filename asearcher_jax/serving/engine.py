@@ -16,7 +16,7 @@ import bisect
 import dataclasses
 import functools
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Literal, NamedTuple
 
 import jax
@@ -626,33 +626,51 @@ class Engine(EngineContract):
     """An empty decode state, created in place on the mesh: the KV cache (or page pools) split
     by KV heads (no full copy on one device first), the per-slot arrays (and a page table that
     maps nothing) replicated."""
-    make = functools.partial(_empty_state, self.model_cfg, self.cfg, self._pages_layout())
-    abstract = jax.eval_shape(make)
-    shardings = jax.tree.map(lambda _: self._replicated, abstract)
-    if self.paged:
-      kv = cache_sharding(self._mesh, self._rules, abstract.cache.kv[0].shape)
-      cache = shardings.cache.replace(kv=(kv,) * len(abstract.cache.kv))
-    else:
-      kv = cache_sharding(self._mesh, self._rules, abstract.cache.k[0].shape)
-      cache = shardings.cache.replace(
-        k=(kv,) * len(abstract.cache.k), v=(kv,) * len(abstract.cache.v)
-      )
-    return jax.jit(make, out_shardings=shardings.replace(cache=cache))()
+    make, shardings = decode_state_program(self.model_cfg, self.cfg, self._mesh)
+    return jax.jit(make, out_shardings=shardings)()
 
   @property
   def paged_attention(self) -> str:
     """How this engine's paged attention reads its pages ("auto" resolved for its devices)."""
-    if self.cfg.paged_attention != "auto":
-      return self.cfg.paged_attention
-    return "ragged" if self._mesh.devices.flat[0].platform == "tpu" else "gather"
+    return pages_layout(self.model_cfg, self.cfg, self._mesh).attention
 
-  def _pages_layout(self) -> _PagesLayout:
-    t = self._mesh.shape["tensor"]
-    split = t > 1 and self._rules[CACHE_HEADS] == "tensor"
-    return _PagesLayout(
-      attention=self.paged_attention, repeat=ragged_paged.kv_repeat(self.model_cfg, t),
-      mesh=self._mesh if split else None,
-    )  # fmt: skip
+
+def pages_layout(
+  model_cfg: ModelConfig, cfg: EngineConfig, mesh: jax.sharding.Mesh
+) -> _PagesLayout:
+  """How an engine of `cfg` on `mesh` lays out and reads its page pools: "auto" attention
+  resolved for the mesh's devices, KV heads repeated to the chips, and the mesh the ragged
+  kernel runs per chip on where the pools' heads are split."""
+  t = mesh.shape["tensor"]
+  attention = cfg.paged_attention
+  if attention == "auto":
+    attention = "ragged" if mesh.devices.flat[0].platform == "tpu" else "gather"
+  split = t > 1 and engine_rules(model_cfg, t)[CACHE_HEADS] == "tensor"
+  return _PagesLayout(
+    attention=attention, repeat=ragged_paged.kv_repeat(model_cfg, t), mesh=mesh if split else None
+  )
+
+
+def decode_state_program(
+  model_cfg: ModelConfig, cfg: EngineConfig, mesh: jax.sharding.Mesh
+) -> tuple[Callable[[], DecodeState], DecodeState]:
+  """(make, shardings): the function that builds an empty decode state and where each of its
+  arrays lives on `mesh` -- the KV cache (or page pools) split by KV heads, the per-slot arrays
+  (and the page table) replicated. `Engine.init_decode_state` runs it; the ahead-of-time
+  compile of the engine's steps (rl/aot.py) takes its shapes."""
+  rules = engine_rules(model_cfg, mesh.shape["tensor"])
+  make = functools.partial(_empty_state, model_cfg, cfg, pages_layout(model_cfg, cfg, mesh))
+  abstract = jax.eval_shape(make)
+  shardings = jax.tree.map(lambda _: replicated(mesh), abstract)
+  if cfg.kv_layout == "paged":
+    kv = cache_sharding(mesh, rules, abstract.cache.kv[0].shape)
+    cache = shardings.cache.replace(kv=(kv,) * len(abstract.cache.kv))
+  else:
+    kv = cache_sharding(mesh, rules, abstract.cache.k[0].shape)
+    cache = shardings.cache.replace(
+      k=(kv,) * len(abstract.cache.k), v=(kv,) * len(abstract.cache.v)
+    )
+  return make, shardings.replace(cache=cache)
 
 
 class _PagesLayout(NamedTuple):

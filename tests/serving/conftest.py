@@ -51,12 +51,13 @@ def make_driver(tokenizer, request, kv_layout):
 
   def make(model=None, *, slots=4, max_seq_len=64, buckets=(8, 16, 32), decode_rows=(8, 16),
            decode_steps=None, suffix_batch=(1, 2, 4, 8), decode_loop="while", layout=None,
-           num_pages=0, **driver_kw):  # fmt: skip
+           num_pages=0, paged_attention="auto", mesh=None, **driver_kw):  # fmt: skip
     cfg = EngineConfig(
       max_slots=slots, max_seq_len=max_seq_len, prefill_buckets=buckets, decode_rows=decode_rows,
       decode_steps_per_call=decode_steps or default_steps, suffix_batch=suffix_batch,
       decode_loop=decode_loop, kv_layout=layout or kv_layout, page_size=TEST_PAGE_SIZE,
-      num_pages=num_pages,
+      num_pages=num_pages, paged_attention=paged_attention,
+      mesh=mesh or EngineConfig().mesh,
     )  # fmt: skip
     engine = Engine.from_model(model or tiny_model(), tokenizer, cfg)
     d = Driver(engine, DriverConfig(**driver_kw))

@@ -1,0 +1,108 @@
+"""The engine's paged cache read by the ragged paged attention program (EngineConfig.paged_attention):
+on CPU its pure-JAX stand-in runs the exact inputs the TPU kernel gets, and must give the fixed-slot
+engine's tokens, logprobs and versions; on 4 fake devices a model with 2 KV heads keeps each head
+twice in the pools, one head per device; and the engine's own decode step compiles for a v5p slice
+with the kernel in it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from asearcher_jax import tpu_env
+from asearcher_jax.model import transformer
+from asearcher_jax.model.kv_cache import PagedKVCache
+from asearcher_jax.serving.engine import EngineConfig
+from asearcher_jax.serving.mesh import ServingMeshConfig
+from asearcher_jax.serving.types import SamplingParams
+from tests.model.test_model import small_cfg
+from tests.serving.conftest import tiny_model
+from tests.serving.test_paged_driver import assert_no_leak, assert_same, run
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 14, 6)]  # 1 to 4 pages of 4
+LENGTHS = [10, 7, 12, 9]
+
+
+def test_a_paged_attention_mistake_is_one_line():
+  with pytest.raises(ValueError, match="paged_attention must be auto, gather, ragged or"):
+    EngineConfig(kv_layout="paged", paged_attention="splash")
+  with pytest.raises(ValueError, match="paged attention must be one of"):
+    PagedKVCache.init(small_cfg(), slots=1, num_pages=3, page_size=4, pages_per_seq=2,
+                      attention="dense")  # fmt: skip
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+async def test_ragged_program_gives_the_fixed_engines_tokens(make_driver, decode_steps):
+  model = tiny_model(seed=5)
+  samplings = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((0.0, 0.9, 0.0, 1.0))]
+  fixed = make_driver(model, layout="fixed", decode_steps=decode_steps)
+  ragged = make_driver(model, layout="paged", decode_steps=decode_steps,
+                       paged_attention="ragged_reference")  # fmt: skip
+  assert ragged.engine.paged_attention == "ragged_reference"
+  assert make_driver(model, layout="paged").engine.paged_attention == "gather"  # auto, on CPU
+  want = await run(fixed, PROMPTS, samplings, LENGTHS)
+  got = await run(ragged, PROMPTS, samplings, LENGTHS)
+  assert_same(got, want)
+  assert len(set(want[0].tokens)) > 2, "a degenerate reference proves little"
+  # A second turn continues an episode over its earlier pages (a suffix prefill, ragged too).
+  turn = [PROMPTS[1] + got[1].tokens + [11, 12]]
+  assert_same(
+    await run(ragged, turn, samplings[1:2], [6]), await run(fixed, turn, samplings[1:2], [6])
+  )
+  assert_no_leak(ragged)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")
+@pytest.mark.parametrize("attention", ["gather", "ragged_reference"])
+async def test_kv_heads_repeat_to_the_chips_one_head_per_device(make_driver, attention):
+  """2 KV heads on 4 devices: the pools hold each head twice (4 heads, k and v interleaved: 8),
+  split so each device keeps 2 of them -- one head's keys and values -- and decode exactly what
+  one device decodes."""
+  cfg = small_cfg("qwen3", vocab_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+  model = transformer.Transformer(cfg, rngs=nnx.Rngs(2))
+  greedy = [SamplingParams(temperature=0.0)] * len(PROMPTS)
+  one = make_driver(model, layout="fixed")
+  tp = make_driver(model, layout="paged", paged_attention=attention,
+                   mesh=ServingMeshConfig(tensor=4))  # fmt: skip
+  want = await run(one, PROMPTS, greedy, LENGTHS)
+  got = await run(tp, PROMPTS, greedy, LENGTHS)
+  assert_same(got, want)
+  pool = tp._table.state.cache.kv[0]
+  assert pool.shape[2] == 8
+  shards = pool.addressable_shards
+  assert len(shards) == 4 and {s.data.shape[2] for s in shards} == {2}
+  # Device d holds model head d // 2: its keys equal the other copy of the same head.
+  k = np.asarray(pool)[:, :, 0::2]
+  np.testing.assert_array_equal(k[:, :, 0], k[:, :, 1])
+  np.testing.assert_array_equal(k[:, :, 2], k[:, :, 3])
+
+
+needs_libtpu = pytest.mark.skipif(not tpu_env.libtpu_installed(), reason="libtpu not installed")
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_the_engines_decode_step_compiles_for_v5p_with_the_ragged_kernel():
+  """The engine's own multi-slot decode step (engine_steps.GENERATE, what the driver dispatches)
+  over a paged cache with attention "ragged", lowered for the 4 chips of a v5p-8 by libtpu on
+  this host: the Pallas kernel is in the program, the pools stay split by heads (no chip holds
+  another's), and it compiles."""
+  from asearcher_jax.rl import aot
+
+  cfg = small_cfg("qwen3", vocab_size=512, num_heads=8, num_kv_heads=2, head_dim=128,
+                  hidden_size=256, intermediate_size=512, dtype="bfloat16",
+                  param_dtype="bfloat16", tie_word_embeddings=False)  # fmt: skip
+  ecfg = EngineConfig(max_slots=8, max_seq_len=256, page_size=16, num_pages=65,
+                      kv_layout="paged", paged_attention="ragged")  # fmt: skip
+  report = aot.compile_engine_decode(cfg, ecfg, slice_name="v5p-8", window=128)
+  assert report["kernel_in_program"]
+  assert report["kv_repeat"] == 2 and report["kv_heads_per_chip"] == 1  # 4 copies over 4 chips
+  assert report["fits"] and report["total_gib"] > 0
+  # The gather reference compiles for the same slice without the kernel.
+  gather = aot.compile_engine_decode(
+    cfg, EngineConfig(**{**ecfg.__dict__, "paged_attention": "gather"}), slice_name="v5p-8",
+    window=128,
+  )  # fmt: skip
+  assert not gather["kernel_in_program"] and gather["fits"]
