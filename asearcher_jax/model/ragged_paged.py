@@ -28,19 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.kv_cache import combine_kv, split_kv
-
-if TYPE_CHECKING:  # the transformer imports this module for its attention
-  from asearcher_jax.model.transformer import Transformer
 
 _NEG_INF = -1e30
 
@@ -225,7 +222,7 @@ def attention(
 
 
 def paged_step(
-  model: Transformer,
+  model: nnx.Module,
   tokens: jax.Array,
   positions: jax.Array,
   kv_pages: tuple[jax.Array, ...],
@@ -238,7 +235,8 @@ def paged_step(
   repeat: int = 1,
   blocks: RaggedBlocks = RaggedBlocks(),
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-  """One engine step over a ragged batch -- decode tokens and prefill chunks mixed -- against a
+  """One engine step of `model` (a `Transformer`: this module sits below it, which imports the
+  attention here) over a ragged batch -- decode tokens and prefill chunks mixed -- against a
   combined paged cache: tokens, positions [N] (sequence s owns tokens cu_q_lens[s] ..
   cu_q_lens[s + 1]; lengths[s] counts them), kv_pages one [P, page_size, 2 K', hd] pool a layer
   with K' = num_kv_heads x `repeat` (each head duplicated `repeat` times: `kv_repeat`). Returns

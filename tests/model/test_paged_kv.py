@@ -31,7 +31,7 @@ def _extend(model, tokens, start, cache, rows=None, write_len=None):
 # How the pages are read, and copies of each KV head: the fixed cache is the oracle of each.
 READS = pytest.mark.parametrize(
   "attention,repeat",
-  [("gather", 1), ("ragged_reference", 1), ("gather", 2), ("ragged_reference", 2)],
+  [("gather", 1), ("ragged_reference", 2)],
 )
 
 

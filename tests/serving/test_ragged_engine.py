@@ -33,7 +33,7 @@ def test_a_paged_attention_mistake_is_one_line():
                       attention="dense")  # fmt: skip
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.parametrize("decode_steps", [1, pytest.param(4, marks=pytest.mark.slow)])
 async def test_ragged_program_gives_the_fixed_engines_tokens(make_driver, decode_steps):
   model = tiny_model(seed=5)
   samplings = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((0.0, 0.9, 0.0, 1.0))]
@@ -54,6 +54,7 @@ async def test_ragged_program_gives_the_fixed_engines_tokens(make_driver, decode
   assert_no_leak(ragged)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")
 @pytest.mark.parametrize("attention", ["gather", "ragged_reference"])
 async def test_kv_heads_repeat_to_the_chips_one_head_per_device(make_driver, attention):
