@@ -15,9 +15,10 @@ Heads are split only on head boundaries. When num_kv_heads does not divide by t 
 3B have 2 KV heads; Qwen2.5-7B has 4 at t = 8), the k/v projections are replicated: every chip
 computes every KV head (a few columns of compute). The cache need not be: a cache built with
 `cache_kv_heads` heads -- each KV head repeated t / num_kv_heads times, as vLLM does, where t
-divides by num_kv_heads (`ragged_paged.kv_repeat`) -- splits over "tensor" like any other, each
+divides by num_kv_heads and divides the query heads (`ragged_paged.kv_repeat`) -- splits over "tensor" like any other, each
 chip keeping the copy of the one head its query heads read (1 / t of the cache, not all of it).
-The paged step (`ragged_paged.paged_step(repeat=...)`) builds it so; the fixed-slot cache keeps
+The engine's page pools are built so (engine.pages_layout), as is the compiled paged step
+(`ragged_paged.paged_step(repeat=...)`); the fixed-slot cache keeps
 num_kv_heads heads and stays replicated there. The query heads, o_proj, MLP and vocabulary stay
 split either way.
 When num_heads does not divide by t, attention is replicated and only the MLP and vocabulary split.
