@@ -859,6 +859,8 @@ def main(argv: list[str] | None = None) -> dict:
     "sync": sync,
     "async": asyn,
     "platform": jax.devices()[0].platform,
+    # The XLA flags this ran with (XLA:CPU's threading, say: benchmarks/cpu_sharing.py).
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
   if old is not None:
     new_busy = asyn["engine"]["busy_s_per_trained_token"]
