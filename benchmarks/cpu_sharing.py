@@ -2,7 +2,7 @@
 Eigen thread pool on and off: why async RL on a small CPU host cannot keep the learner at its
 solo speed while the engine computes beside it (issue 59's bar of 1.3x).
 
-Runs with no arguments (~4 minutes on 2 cores). "alone" is the train step with nothing else
+Runs with no arguments (~5 minutes on 2 cores). "alone" is the train step with nothing else
 running; "beside" is the same step while a second process runs the same step in a loop, which
 is what the engine does to the learner in `benchmarks/async_vs_sync.py` (both programs on one
 machine's cores). XLA reads --xla_cpu_multi_thread_eigen once, when its CPU backend starts, so
