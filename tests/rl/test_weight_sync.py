@@ -198,6 +198,7 @@ def test_watcher_runs_whatever_the_pointer_names(tmp_path):
   assert leaves_equal(sink.updates[-1][0], bf16(at_v0)) and watcher.version == 0
 
 
+@pytest.mark.slow  # ~8 s
 def test_watcher_thread_feeds_a_real_driver(tmp_path, make_driver):  # noqa: F811
   model = tiny_model()
   driver = make_driver(model, slots=1, max_seq_len=32, buckets=(16, 32))

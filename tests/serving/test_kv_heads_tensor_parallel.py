@@ -30,6 +30,7 @@ def test_cache_heads_follow_the_chips():
   assert mesh_lib.engine_rules(cfg, 16)[mesh_lib.CACHE_HEADS] is None
 
 
+@pytest.mark.slow  # ~7 s
 def test_duplicated_kv_heads_split_over_tp_with_the_same_greedy_tokens():
   cfg = small_cfg("qwen3", num_heads=8, num_kv_heads=2, vocab_size=128)
   model = transformer.Transformer(cfg, rngs=nnx.Rngs(0))

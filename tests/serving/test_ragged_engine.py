@@ -33,7 +33,8 @@ def test_a_paged_attention_mistake_is_one_line():
                       attention="dense")  # fmt: skip
 
 
-@pytest.mark.parametrize("decode_steps", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~13 s; the fast tier keeps the model-level check (tests/model/test_paged_kv.py)
+@pytest.mark.parametrize("decode_steps", [1, 4])
 async def test_ragged_program_gives_the_fixed_engines_tokens(make_driver, decode_steps):
   model = tiny_model(seed=5)
   samplings = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((0.0, 0.9, 0.0, 1.0))]

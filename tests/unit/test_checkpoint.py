@@ -62,6 +62,7 @@ def test_restore_onto_a_different_sharding(tmp_path):
   assert step == 5 and _equal(params, state.params)
 
 
+@pytest.mark.slow  # ~11 s
 def test_training_resumes_identically_after_restore(tmp_path):
   graphdef, opt, state = _state(2)
   batch = {
