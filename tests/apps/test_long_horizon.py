@@ -156,6 +156,7 @@ def test_snippets_state_no_fact_so_every_hop_needs_its_page():
   assert {f.subject for f in shown} == {e.name for e in sw.world.entities.values()}
 
 
+@pytest.mark.slow  # ~10 s
 def test_page_reading_expert_searches_then_opens_the_page_for_every_hop(tiny_world):
   qs_ = tiny_world[0].questions
 

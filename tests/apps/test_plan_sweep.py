@@ -29,7 +29,13 @@ def run_main(argv: list[str]) -> tuple[int, str]:
   return rc, out.getvalue()
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+# The 7B recipe in the fast tier; the others (~7 s each) in the slow one.
+@pytest.mark.parametrize(
+  "recipe",
+  [r if "asearcher_local_qwen2_5_7b" in r.stem else pytest.param(r, marks=pytest.mark.slow)
+   for r in RECIPES],
+  ids=lambda p: p.stem,
+)  # fmt: skip
 def test_plan_of_every_recipe(recipe):
   rc, out = run_main(["plan", str(recipe.relative_to(REPO))])
   p = json.loads(out.strip().splitlines()[-1])

@@ -45,7 +45,12 @@ def test_more_hosts_write_faster_and_bad_policies_name_the_field():
 
 
 @pytest.mark.parametrize(
-  "name", ["asearcher_local_qwen2_5_7b", "asearcher_local_qwen2_5_14b", "asearcher_web_qwq_32b"]
+  "name",
+  [
+    "asearcher_local_qwen2_5_7b",
+    pytest.param("asearcher_local_qwen2_5_14b", marks=pytest.mark.slow),  # ~7 s each
+    pytest.param("asearcher_web_qwq_32b", marks=pytest.mark.slow),
+  ],
 )
 def test_each_recipes_plan_states_the_checkpoints_it_trains_with(name, capsys):
   """The plan's policy is the trainer's (one macro binds both), and a checkpoint's write takes
