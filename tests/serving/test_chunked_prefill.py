@@ -80,6 +80,7 @@ async def test_live_slots_decode_between_pieces(make_driver):
   assert len(steps) == 4 and all(b > a for a, b in itertools.pairwise(steps))  # a decode call each
 
 
+@pytest.mark.slow  # ~8 s
 async def test_an_update_mid_prompt_prefills_it_again_under_the_new_weights(make_driver):
   old, new = tiny_model(seed=4), tiny_model(seed=5)
   driver = make_driver(old, prefill_chunk=8, prefix_reuse=False)

@@ -41,7 +41,7 @@ def test_the_rl_variant_of_a_decode_step_has_no_top_k(tokenizer, mode):
   assert widths == [engine_steps.COLUMNS, engine_steps.COLUMNS + 2 * engine_steps.TOP_N]
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.parametrize("decode_steps", [1, pytest.param(4, marks=pytest.mark.slow)])
 async def test_rl_requests_never_run_the_top_logprob_variant(
   make_driver, monkeypatch, decode_steps
 ):
