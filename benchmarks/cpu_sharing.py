@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -30,6 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 # (preset, rows, seq_len): the tiny model's short rows (the default), then with `--shapes all`
 # the learner's 2,048-token row and the 30M benchmark model.
 SHAPES = (("qwen2-tiny", 4, 256), ("qwen2-tiny", 2, 2048), ("bench-30m", 4, 512))
+# Longest wait for the concurrent child to compile and take its first steps.
+START_TIMEOUT_S = 600
 
 
 def child(shape_index: int, iters: int, loop: bool) -> None:
@@ -64,14 +67,17 @@ def run_child(flag: str, shape_index: int, iters: int, beside: bool) -> float:
     hog = subprocess.Popen(
       [*cmd, "--loop"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
-    if hog.stdout.readline().strip() != "ready":  # compiled and stepping: now time beside it
-      raise RuntimeError("the concurrent child did not start")
+    # Compiled and stepping (at most START_TIMEOUT_S): only then is the step timed beside it.
+    ready, _, _ = select.select([hog.stdout], [], [], START_TIMEOUT_S)
+    if not ready or hog.stdout.readline().strip() != "ready":
+      hog.kill()
+      raise RuntimeError(f"the concurrent child (shape {shape_index}) did not start")
   try:
-    out = (
-      subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
-      .stdout.strip()
-      .splitlines()
-    )
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+      tail = proc.stderr.strip().splitlines()[-1:] or ["no stderr"]
+      raise RuntimeError(f"the timed child (shape {shape_index}) failed: {tail[0]}")
+    out = proc.stdout.strip().splitlines()
   finally:
     if hog is not None:
       hog.kill()

@@ -41,7 +41,9 @@ async def _continued(driver, sp, n=5):
 
 # Greedy with one decode step per call, sampled with four (each path once keeps the suite short).
 @pytest.mark.parametrize(
-  ("make_driver", "sampling"), [(1, GREEDY), pytest.param(4, SAMPLE, marks=pytest.mark.slow)], indirect=["make_driver"],
+  ("make_driver", "sampling"),
+  [(1, GREEDY), pytest.param(4, SAMPLE, marks=pytest.mark.slow)],
+  indirect=["make_driver"],
   ids=["greedy-k1", "sample-k4"],
 )  # fmt: skip
 async def test_a_continuing_turn_decodes_what_a_one_token_prefill_gives(make_driver, sampling):
