@@ -22,6 +22,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -276,6 +277,40 @@ def _check_each_main() -> int:
   return 2 if any(results) else 0
 
 
+def rehearse_main(argv: Sequence[str]) -> int:
+  """`asearcher rehearse --topology SLICE [--programs all|largest|arguments] ROLE ARGS...`: the
+  role's command line (`serve-model ...`, `train ...`, `serve-retrieval ...`, as launch/roles.py
+  writes it) configured exactly as it would run, then its programs compiled for SLICE instead
+  of run (apps/rehearsal.py); one JSON line, exit 0 when every program fits, 1 when one does
+  not, 2 for a configuration mistake. No jax.distributed, no compile cache: nothing runs."""
+  parser = argparse.ArgumentParser(prog="asearcher rehearse", description=rehearse_main.__doc__)
+  parser.add_argument("--topology", required=True, help="the role's slice, e.g. v5p-8; cpu: none")
+  parser.add_argument("--programs", default="all", help="all, largest or arguments")
+  parser.add_argument("role", nargs=argparse.REMAINDER, help="the role's subcommand and flags")
+  a = parser.parse_args(list(argv))
+  if not a.role or a.role[0] not in SUBCOMMANDS:
+    parser.error(f"a role's subcommand must follow the flags (one of {', '.join(SUBCOMMANDS)})")
+  from asearcher_jax.apps import rehearsal
+  from asearcher_jax.apps.gin_config import ConfigError
+
+  logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  args = _parse_args(a.role)
+  name = f"asearcher rehearse {args.subcommand}"
+  try:
+    target = rehearsal.Target(topology=a.topology, programs=a.programs)
+    fn = configure(args.subcommand, [*args.gin_files, *args.gin_file], args.gin_param)
+    t0 = time.perf_counter()
+    with rehearsal.rehearsing(target):
+      report = fn()
+  except (ConfigError, AsearcherError) as e:
+    print(f"{name}: config error: {str(e).splitlines()[0]}", file=sys.stderr)
+    return 2
+  if not isinstance(report, dict):
+    print(f"{name}: error: {args.subcommand} has no rehearsal", file=sys.stderr)
+    return 2
+  return rehearsal.finish(report, t0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   from asearcher_jax import tpu_env
@@ -295,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = ["compile", *rest]
   if argv == ["--check-each"]:
     return _check_each_main()
+  if argv[:1] == ["rehearse"]:
+    tpu_env.for_ahead_of_time()  # like compile: JAX on the CPU, libtpu's compiler for the slice
+    return rehearse_main(argv[1:])
   if argv[:1] == ["inspect"] and argv[1:2] and not argv[1].startswith("-"):
     # `asearcher inspect RUN_DIR [--episode ID | --question QID | --worst N]`: a positional run
     # directory, not a gin file (the gin-bound form stays for scripts).

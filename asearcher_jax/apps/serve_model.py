@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from asearcher_jax.apps import rehearsal
 from asearcher_jax.errors import AsearcherError, ConfigValueError
 from asearcher_jax.model.loading import PolicyConfig, load_policy
 from asearcher_jax.serving.driver import Driver, DriverConfig
@@ -98,6 +99,10 @@ def serve(
   bad = set(warmup_modes) - {"greedy", "sample", "truncate"}
   if bad:
     raise ConfigValueError(f"unknown warmup_modes {sorted(bad)}: use greedy, sample, truncate")
+  if rehearsal.active():  # `asearcher rehearse`: this server's programs, compiled for its slice
+    return rehearsal.serving(
+      policy=policy, engine=engine, warmup_modes=warmup_modes, jetstream=grpc_port is not None
+    )
   if cpus:
     pin_cpus(cpus)
   # Weights are read (or initialised) straight into the engine's shardings on its mesh.
@@ -109,7 +114,8 @@ def serve(
   log.info("serving %s: %d slots x %d tokens on %s", what, engine.max_slots, engine.max_seq_len,
            _mesh_text(eng))  # fmt: skip
   if warmup_modes:
-    log.info("compiled the engine in %.1f s", eng.warmup(modes=tuple(warmup_modes)))
+    seconds = eng.warmup(modes=tuple(warmup_modes), jetstream=grpc_port is not None)
+    log.info("compiled the engine in %.1f s", seconds)
   asyncio.run(
     _serve(eng, driver, api, grpc_port, address_file, serve_seconds, weights_dir,
            weights_poll_s)

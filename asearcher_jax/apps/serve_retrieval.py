@@ -10,6 +10,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from asearcher_jax.apps import rehearsal
 from asearcher_jax.apps.index import default_index_dir
 from asearcher_jax.tools.retrieval.corpus import CorpusError, default_corpus_paths
 from asearcher_jax.tools.retrieval.index import build_index_dir, load_encoder, load_index
@@ -39,6 +40,8 @@ def serve(
     server: how the server listens and what it accepts (host, port, address file, limits,
       workers, batching); None: the defaults on port 8000.
   """
+  if rehearsal.active():  # `asearcher rehearse`: a CPU role, nothing to compile for a chip
+    return rehearsal.cpu_role("retrieval")
   config = RetrievalServerConfig(port=DEFAULT_PORT) if server is None else server
   if index_dir is None:
     out = default_index_dir()

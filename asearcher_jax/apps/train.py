@@ -36,7 +36,7 @@ from flax import nnx
 
 from asearcher_jax.agent import Agent, Limits, registry
 from asearcher_jax.agent.trajectory import Trajectory
-from asearcher_jax.apps import wiring
+from asearcher_jax.apps import rehearsal, wiring
 from asearcher_jax.apps.train_config import TrainConfig
 from asearcher_jax.checkpoint import CheckpointConfig, Checkpointer
 from asearcher_jax.data.qa import QAExample, load_training_qa
@@ -382,6 +382,8 @@ def train(
     retrieval_index_dir: the index the run's own retrieval server serves (local tools); None:
       the shipped corpus's BM25 index (built if needed).
   """
+  if rehearsal.active():  # `asearcher rehearse`: this trainer's programs, compiled for its slice
+    return rehearsal.trainer(config=config, model_dir=model_dir, model=model)
   t0 = time.time()
   run = build_run(
     config,

@@ -9,6 +9,7 @@ ships one, else the packaged Qwen2 vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -21,6 +22,48 @@ from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig, from_hf_config
 from asearcher_jax.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
+# How a model computes, not what it is: a checkpoint's config.json says nothing of these, so a
+# program that loads one takes them from its configured `model` (the recipe's POLICY), the same
+# values `asearcher compile` and the launch rehearsal compile with. (Dtypes stay config.json's:
+# a default fp32 preset must not double a bf16 checkpoint.)
+COMPUTE_FIELDS = (
+  "remat_policy", "scan_layers", "logits_chunk", "attention_block", "attention", "flash_block",
+  "attention_interpret",
+)  # fmt: skip
+# What config.json fixes: a configured `model` that disagrees on one of these describes another
+# model (logged: a run's default preset beside a user's checkpoint is the common, harmless case).
+ARCHITECTURE_FIELDS = (
+  "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+  "num_kv_heads", "resolved_head_dim", "rope_theta", "rope_scaling_factor", "rms_norm_eps",
+  "qkv_bias", "qk_norm", "tie_word_embeddings",
+)  # fmt: skip
+
+
+def compute_overrides(model: ModelConfig | None) -> dict[str, object]:
+  """The compute knobs of a configured model, to apply over a checkpoint's config.json."""
+  return {} if model is None else {f: getattr(model, f) for f in COMPUTE_FIELDS}
+
+
+def resolve_config(model_dir: str | None, model: ModelConfig | None) -> ModelConfig:
+  """The config a program computes with: `model` (default qwen2-tiny) without a checkpoint;
+  with one, its config.json's architecture and dtypes and `model`'s compute knobs
+  (COMPUTE_FIELDS). Where `model`'s architecture differs from config.json's, the first field
+  that differs is logged (config.json's wins)."""
+  if model_dir is None:
+    return model or presets.model_config(name="qwen2-tiny")
+  cfg = from_hf_config(hf_io.read_config(model_dir), **compute_overrides(model))
+  differs = [f for f in ARCHITECTURE_FIELDS if model and getattr(model, f) != getattr(cfg, f)]
+  if differs:
+    f = differs[0]
+    log.info(
+      "%s/config.json is not the configured model's architecture (%s %r vs %r): config.json's "
+      "is used, with the configured remat, scan and attention", model_dir, f,
+      getattr(cfg, f), getattr(model, f),
+    )  # fmt: skip
+  return cfg
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
@@ -28,7 +71,9 @@ class PolicyConfig:
 
   # A Hugging Face Qwen2/Qwen3 checkpoint directory; None: a random `model` policy.
   model_dir: str | None = None
-  # Architecture of the random policy; None: the qwen2-tiny preset.
+  # Architecture of the random policy; None: the qwen2-tiny preset. With model_dir, how the
+  # checkpoint's architecture computes (`resolve_config`: remat, scan, attention, dtypes), its
+  # architecture checked against config.json.
   model: ModelConfig | None = None
   # Tokenizer files; None: model_dir's when it has them, else the packaged Qwen2 vocabulary.
   tokenizer_dir: str | None = None
@@ -49,19 +94,22 @@ def load_policy(
   *,
   layout: Layout | None = None,
 ) -> tuple[transformer.Transformer, Tokenizer, str]:
-  """(model, tokenizer, description): a HF checkpoint, or a random model of `model` (default
-  qwen2-tiny) that is written nowhere. layout: where the weights go; each device reads or
+  """(model, tokenizer, description): a HF checkpoint (computing as `resolve_config` says), or a
+  random model of `model` (default qwen2-tiny) that is written nowhere. layout: where the weights go; each device reads or
   initialises only its own shards, so no device ever holds the whole model (None: device 0). The
   tokenizer comes from `tokenizer_dir`, else from `model_dir` when it holds tokenizer files, else
   the packaged Qwen2 vocabulary."""
   if model_dir is not None:
     mesh, rules = None, sharding_lib.DEFAULT_RULES
+    cfg = resolve_config(model_dir, model)
     if layout is not None:
-      mesh, rules = layout(from_hf_config(hf_io.read_config(model_dir)))
-    policy, cfg = hf_io.load(model_dir, mesh=mesh, rules=rules)
+      mesh, rules = layout(cfg)
+    policy, cfg = hf_io.load(
+      model_dir, mesh=mesh, rules=rules, config_overrides=compute_overrides(model)
+    )
     what = f"{model_dir} ({cfg.model_type}, {cfg.num_layers} layers)"
   else:
-    cfg = model or presets.model_config(name="qwen2-tiny")
+    cfg = resolve_config(None, model)
     if layout is None:
       policy = transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
     else:

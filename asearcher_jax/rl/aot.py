@@ -400,3 +400,54 @@ def compile_engine_decode(
     **report,
     "compile_s": round(time.perf_counter() - t0, 2),
   }
+
+
+def engine_compiler(hbm_bytes: float) -> Any:
+  """The compile step of an ahead-of-time engine (`serving.engine_aot.Compiler`): the program
+  compiled and its per-chip `memory_report`, or None and `out_of_memory_report` when the TPU
+  compiler refuses it for memory."""
+
+  def compile_(lowered: Any, args: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      return None, out_of_memory_report(str(e), args, hbm_bytes)
+    return compiled, memory_report(compiled, hbm_bytes)
+
+  return compile_
+
+
+def largest_programs(cfg: Any) -> Any:
+  """An `EngineConfig` whose warm-up compiles only the largest program of each step: the
+  longest prefill bucket at the widest admission, the longest suffix over the longest window,
+  every slot's decode. Memory follows these (the weights and pools are every program's
+  arguments); a fit check compiles them in minutes where a whole warm-up takes an hour."""
+  return dataclasses.replace(
+    cfg, prefill_buckets=(cfg.max_seq_len,), suffix_buckets=(), decode_rows=()
+  )
+
+
+def engine_arguments_gib(
+  model: ModelConfig, engine_cfg: Any, devices: Sequence
+) -> dict[str, float]:
+  """Per-chip GiB of what every engine program takes as arguments on `devices` (the weights in
+  the engine's shardings and the decode state: the KV cache or page pools), without compiling:
+  a replica whose arguments alone exceed the chip is refused in a second."""
+  from asearcher_jax.serving import engine as engine_lib
+  from asearcher_jax.serving import mesh as serving_mesh
+
+  m = serving_mesh.make_engine_mesh(engine_cfg.mesh, devices=devices)
+  rules = serving_mesh.engine_rules(model, m.shape["tensor"])
+  _, params = steps.abstract_params(model, mesh=m, rules=rules)
+  make, shardings = engine_lib.decode_state_program(model, engine_cfg, m)
+  state = jax.tree.map(
+    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), jax.eval_shape(make),
+    shardings,
+  )  # fmt: skip
+  return {
+    "chips": m.shape["tensor"],
+    "weights_gib": round(argument_bytes(params) / GIB, 3),
+    "decode_state_gib": round(argument_bytes(state) / GIB, 3),
+  }

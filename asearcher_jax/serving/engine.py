@@ -198,12 +198,14 @@ class Engine(EngineContract):
     chunks: Sequence[int] = (1, 2, 4, 8),
     modes: Sequence[SamplingMode] = ("greedy", "sample"),
     extend: bool = True,
+    jetstream: bool = True,
   ) -> float:
     """Compiles prefill (every bucket x admission chunk x mode), insert and every decode window
     (one step, and the multi-step call when decode_steps_per_call > 1) now, so that no request
     pays a compile later; returns the seconds taken. "truncate" (top-p/top-k) compiles on first
     use unless listed in `modes`. extend: also every suffix prefill shape (suffix bucket x window x
-    mode, and x `suffix_batch` size) that prefix reuse uses."""
+    mode, and x `suffix_batch` size) that prefix reuse uses. jetstream: also JetStream's own
+    prefill and insert (one request, the general sampler), which only its gRPC server calls."""
     t0 = time.perf_counter()
     params, state = self.load_params(), self.init_decode_state()
     for bucket in self.cfg.buckets:
@@ -216,10 +218,11 @@ class Engine(EngineContract):
             params=params, prompts=[prompt] * k, samplings=sp, seeds=list(range(k))
           )
           state = self.insert_many(prefixes, state, list(range(k)))
-      padded, n = self.pad(prompt)
-      state = self.insert(
-        self.prefill(params=params, padded_tokens=padded, true_length=n), state, 0
-      )
+      if jetstream:
+        padded, n = self.pad(prompt)
+        state = self.insert(
+          self.prefill(params=params, padded_tokens=padded, true_length=n), state, 0
+        )
     if extend:  # the no-prefill admission of a continuing turn, then every suffix prefill
       state = self.activate_slot(state, 0, 1, 1, sampling=SamplingParams())
       for sb in self.cfg.extend_buckets:
@@ -247,8 +250,14 @@ class Engine(EngineContract):
             state, *_ = self.generate_chunk(
               params, state, slots, [1] * size, [()] * size, max_length=window, mode=mode
             )
-    np.asarray(result.data)
+    jax.block_until_ready(result.data)
     return time.perf_counter() - t0
+
+  def _run(self, step: Callable, *args, **kwargs):
+    """Every jitted step the engine dispatches goes through here: the one place an ahead-of-time
+    engine (engine_aot.py) compiles a program instead of running it, so that a rehearsal compiles
+    exactly the programs `warmup` and serving dispatch, with their arguments."""
+    return step(*args, **kwargs)
 
   # --- JetStream Engine API -------------------------------------------------------------------
 
@@ -310,7 +319,8 @@ class Engine(EngineContract):
       raise NotImplementedError("prefill on top of an existing prefix is not supported")
     sampling = sampling or SamplingParams(temperature=0.0)
     tokens = jnp.asarray(padded_tokens, jnp.int32).reshape(1, -1)
-    return steps.PREFILL(
+    return self._run(
+      steps.PREFILL,
       self._graphdef,
       "truncate",
       params,
@@ -323,7 +333,7 @@ class Engine(EngineContract):
     )
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-    return steps.INSERT(prefix, decode_state, jnp.asarray(slot, jnp.int32))
+    return self._run(steps.INSERT, prefix, decode_state, jnp.asarray(slot, jnp.int32))
 
   def prefill_many(
     self,
@@ -342,7 +352,8 @@ class Engine(EngineContract):
     if len(buckets) != 1:
       raise ValueError(f"prefill_many needs prompts of one bucket, got buckets {sorted(buckets)}")
     tokens = np.stack([r[0] for r in rows])  # [k, 1, bucket]
-    return steps.PREFILL_MANY(
+    return self._run(
+      steps.PREFILL_MANY,
       self._graphdef,
       mode_for(samplings),
       params,
@@ -358,7 +369,7 @@ class Engine(EngineContract):
   def insert_many(
     self, prefixes: Prefix, decode_state: DecodeState, slots: Sequence[int]
   ) -> DecodeState:
-    return steps.INSERT_MANY(prefixes, decode_state, jnp.asarray(slots, jnp.int32))
+    return self._run(steps.INSERT_MANY, prefixes, decode_state, jnp.asarray(slots, jnp.int32))
 
   def generate(
     self,
@@ -380,10 +391,20 @@ class Engine(EngineContract):
     window = self.cfg.max_seq_len if max_length is None else self.bucket_for(max_length)
     size = self.rows_for(len(live)) if live is not None else self.cfg.max_slots
     if size == self.cfg.max_slots:
-      return steps.GENERATE(self._graphdef, window, mode, params, decode_state, top_n=top_n)
+      return self._run(
+        steps.GENERATE, self._graphdef, window, mode, params, decode_state, top_n=top_n
+      )
     rows, mask = self._row_plan(live, size)
-    return steps.GENERATE_ROWS(
-      self._graphdef, window, mode, params, decode_state, rows, mask, top_n=top_n
+    return self._run(
+      steps.GENERATE_ROWS,
+      self._graphdef,
+      window,
+      mode,
+      params,
+      decode_state,
+      rows,
+      mask,
+      top_n=top_n,
     )
 
   def generate_chunk(
@@ -427,7 +448,8 @@ class Engine(EngineContract):
       steps=jnp.asarray(n, jnp.int32),
     )
     window = self.bucket_for(max_length)
-    state, out = steps.DECODE_CHUNK(
+    state, out = self._run(
+      steps.DECODE_CHUNK,
       self._graphdef,
       window,
       mode,
@@ -511,7 +533,8 @@ class Engine(EngineContract):
     top_p = jnp.asarray(sampling.top_p, jnp.float32)
     top_k = jnp.asarray(sampling.top_k, jnp.int32)
     slot_ = jnp.asarray(slot, jnp.int32)
-    row, tok, lp, version, top = steps.EXTEND_ROW(
+    row, tok, lp, version, top = self._run(
+      steps.EXTEND_ROW,
       self._graphdef,
       window,
       mode_for([sampling]),
@@ -524,7 +547,8 @@ class Engine(EngineContract):
       steps.RowSampling(key, temperature, top_p, top_k),
       top_n=steps.TOP_N if sampling.top_logprobs else 0,
     )
-    state = steps.PUT_ROW(
+    state = self._run(
+      steps.PUT_ROW,
       decode_state, row, slot_, jnp.asarray(start + n, jnp.int32), tok, key, temperature, top_p,
       top_k,
     )  # fmt: skip
@@ -569,17 +593,21 @@ class Engine(EngineContract):
     top_n = steps.TOP_N if any(s.top_logprobs for s in samplings) else 0
     if self.paged:
       write_lengths = lengths * np.asarray(writes or [True] * k, np.int32)
-      return steps.EXTEND_PAGED(
+      return self._run(
+        steps.EXTEND_PAGED,
         self._graphdef, window, mode_for(samplings), params, decode_state, slots_,
         jnp.asarray(padded), jnp.asarray(starts_), jnp.asarray(lengths),
         jnp.asarray(write_lengths), samp, top_n=top_n,
       )  # fmt: skip
-    rows, tok, lp, version, top = steps.EXTEND_ROWS(
+    rows, tok, lp, version, top = self._run(
+      steps.EXTEND_ROWS,
       self._graphdef, window, mode_for(samplings), params, decode_state.cache, slots_,
       jnp.asarray(padded), jnp.asarray(starts_), jnp.asarray(lengths), samp,
       top_n=steps.TOP_N if any(s.top_logprobs for s in samplings) else 0,
     )  # fmt: skip
-    state = steps.PUT_ROWS(decode_state, rows, slots_, jnp.asarray(starts_ + lengths), tok, samp)
+    state = self._run(
+      steps.PUT_ROWS, decode_state, rows, slots_, jnp.asarray(starts_ + lengths), tok, samp
+    )
     return state, tok, lp, version, top
 
   def activate_slot(
@@ -599,7 +627,8 @@ class Engine(EngineContract):
     the token that call sampled last)."""
     if not 0 <= length < self.cfg.max_seq_len or not 0 <= slot < self.cfg.max_slots:
       raise ValueError(f"bad activation: slot={slot} length={length}")
-    return steps.ACTIVATE(
+    return self._run(
+      steps.ACTIVATE,
       decode_state, jnp.asarray(slot, jnp.int32), jnp.asarray(length, jnp.int32),
       jnp.asarray(token, jnp.int32), jax.random.PRNGKey(seed),
       jnp.asarray(sampling.temperature, jnp.float32), jnp.asarray(sampling.top_p, jnp.float32),
@@ -609,7 +638,7 @@ class Engine(EngineContract):
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Marks a slot inactive: decode steps stop advancing it and never write inside its cached
     prefix (the driver parks finished requests' slots this way for prefix reuse)."""
-    return steps.RELEASE(decode_state, jnp.asarray(slot, jnp.int32))
+    return self._run(steps.RELEASE, decode_state, jnp.asarray(slot, jnp.int32))
 
   def get_prefix_destination_sharding(self) -> Prefix:
     """Where a prefix lands on this engine (JetStream's disaggregated prefill -> generate

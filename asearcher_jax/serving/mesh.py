@@ -27,7 +27,7 @@ When num_heads does not divide by t, attention is replicated and only the MLP an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -56,9 +56,10 @@ class ServingMeshConfig:
       raise AsearcherError(f"ServingMeshConfig.tensor must be >= 1 or -1, got {self.tensor}")
 
 
-def make_engine_mesh(cfg: ServingMeshConfig) -> Mesh:
-  """A (1, 1, tensor) mesh over the first `tensor` devices."""
-  devices = jax.devices()
+def make_engine_mesh(cfg: ServingMeshConfig, devices: Sequence | None = None) -> Mesh:
+  """A (1, 1, tensor) mesh over the first `tensor` of `devices` (None: jax.devices(); a
+  rehearsal passes a TPU slice's devices that are not there)."""
+  devices = list(jax.devices() if devices is None else devices)
   t = len(devices) if cfg.tensor == -1 else cfg.tensor
   if t > len(devices):
     raise AsearcherError(
