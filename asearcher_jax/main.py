@@ -283,6 +283,8 @@ def rehearse_main(argv: Sequence[str]) -> int:
   writes it) configured exactly as it would run, then its programs compiled for SLICE instead
   of run (apps/rehearsal.py); one JSON line, exit 0 when every program fits, 1 when one does
   not, 2 for a configuration mistake. No jax.distributed, no compile cache: nothing runs."""
+  if list(argv) == ["--each"]:
+    return _rehearse_each()
   parser = argparse.ArgumentParser(prog="asearcher rehearse", description=rehearse_main.__doc__)
   parser.add_argument("--topology", required=True, help="the role's slice, e.g. v5p-8; cpu: none")
   parser.add_argument("--programs", default="all", help="all, largest or arguments")
@@ -309,6 +311,41 @@ def rehearse_main(argv: Sequence[str]) -> int:
     print(f"{name}: error: {args.subcommand} has no rehearsal", file=sys.stderr)
     return 2
   return rehearsal.finish(report, t0)
+
+
+def _rehearse_each() -> int:
+  """`asearcher rehearse --each`: one JSON object a line on stdin ({"topology": T, "programs": P,
+  "argv": [ROLE, ...]}), each role rehearsed in turn in this one process (the imports and
+  libtpu's start paid once: a launch checks every role of a spec so); the role's JSON line, or
+  {"error": "..."} for a configuration mistake, on stdout for each."""
+  import contextlib
+  import io
+  import json
+
+  for n, line in enumerate(sys.stdin, 1):
+    if not line.strip():
+      continue
+    try:
+      job = json.loads(line)
+      argv = ["--topology", job["topology"], "--programs", job.get("programs", "all"), *job["argv"]]
+    except (json.JSONDecodeError, KeyError, TypeError):
+      print(f"asearcher rehearse --each: stdin line {n} is not a rehearsal job", file=sys.stderr)
+      return 2
+    out, err = io.StringIO(), io.StringIO()
+    # SystemExit: argparse's usage error, whose last line on stderr says what
+    with (
+      contextlib.redirect_stdout(out),
+      contextlib.redirect_stderr(err),
+      contextlib.suppress(SystemExit),
+    ):
+      rehearse_main(argv)
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("{")]
+    if lines:
+      print(lines[-1], flush=True)
+    else:
+      said = (err.getvalue().strip().splitlines() or ["no report"])[-1]
+      print(json.dumps({"error": said}), flush=True)
+  return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

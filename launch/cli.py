@@ -9,6 +9,11 @@
   logs    the tail of every process's log
   fetch   gcloud: the run's metrics and operative config from the bucket into --to DIR (the
           local backend's run dir is already on this machine)
+  rehearse  every role of the spec built from its own command line and compiled ahead of
+          time for its slice on this host (`asearcher rehearse`: libtpu's compiler, no TPU):
+          one JSON line, per role the programs its warm-up compiles, the largest one's HBM a
+          chip, whether all fit and the compile seconds; exit 1 when a role does not fit.
+          --programs all (default: the cold start), largest (the fit, in minutes) or arguments
   check   what `start --dry-run` checks, for many runs in one process: JSON lines on stdin
           ({"run_dir": D, "gin_params": [...]}, added to --run_dir and --gin_param as start
           takes them), one answer each on stdout (null, or the line `start` would end with);
@@ -38,7 +43,7 @@ from launch.spec import SpecError
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m launch", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-  p.add_argument("action", choices=(*gcloud.ACTIONS, "fetch", "check"))
+  p.add_argument("action", choices=(*gcloud.ACTIONS, "fetch", "check", "rehearse"))
   p.add_argument("--spec", required=True, help="cluster spec (TOML; launch/specs/*.toml)")
   p.add_argument("--backend", choices=("gcloud", "local"), default="gcloud")
   p.add_argument("--experiment", help="gin experiment (overrides the spec's)")
@@ -52,6 +57,16 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--commit", help="commit to install on the workers (default: HEAD's hash)")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   p.add_argument("--lines", type=int, default=50, help="logs: lines per log")
+  p.add_argument(
+    "--programs", choices=("all", "largest", "arguments"), default="all",
+    help="rehearse: what to compile per role (all: the cold start; largest: the fit)",
+  )  # fmt: skip
+  p.add_argument(
+    "--fit", choices=("arguments", "largest", "all", "off"), default="arguments",
+    help="start: refuse a spec whose role does not fit its slice, rehearsed this far first "
+    "(arguments: weights, caches and train state per chip, seconds; largest: the largest "
+    "programs compiled, minutes); off: no check",
+  )  # fmt: skip
   a = p.parse_args(argv)
   if a.lines < 1:
     p.error(f"--lines must be >= 1, got {a.lines}")
@@ -117,6 +132,17 @@ def check(a: argparse.Namespace, lines) -> list[str | None]:
   return answers
 
 
+def rehearse(spec, gin_params: tuple[str, ...], programs: str) -> int:
+  """`rehearse`: every role's report and whether all fit, one JSON line; 0 when all fit."""
+  lay = gcloud.layout(spec, gin_params)
+  roles.check_roles(lay)
+  reports = roles.rehearse_roles(lay, gcloud.topologies(spec), programs)
+  all_fit = roles.refusal(reports) is None
+  print(json.dumps({"spec": spec.source, "experiment": spec.experiment, "roles": reports,
+                    "all_fit": all_fit}), flush=True)  # fmt: skip
+  return 0 if all_fit else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   a = _parse(sys.argv[1:] if argv is None else argv)
   if a.action == "check":
@@ -135,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from launch import spec as spec_lib
 
     spec = spec_lib.with_run_dir(spec_lib.load(a.spec, a.experiment), a.run_dir)
+    if a.action == "rehearse":
+      return rehearse(spec, tuple(a.gin_param), a.programs)
     commit = a.commit or (_head() if a.action == "setup" else "HEAD")
     if a.action == "logs":
       commands = gcloud.logs(spec, a.lines)
@@ -146,7 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(a.to, "metrics").mkdir(parents=True, exist_ok=True)
     else:
       if a.action == "start":
-        roles.check_roles(gcloud.layout(spec, tuple(a.gin_param)))
+        lay = gcloud.layout(spec, tuple(a.gin_param))
+        roles.check_roles(lay)
+        if a.fit != "off":  # a role too big for its slice: refused before any cloud command
+          message = roles.refusal(roles.rehearse_roles(lay, gcloud.topologies(spec), a.fit))
+          if message:
+            raise SpecError(message)
       commands = gcloud.plan(spec, a.action, commit=commit, gin_params=tuple(a.gin_param))
   except SpecError as e:
     print(f"launch {a.action}: spec error: {e}", file=sys.stderr)

@@ -95,6 +95,20 @@ def storage(spec: ClusterSpec) -> str:
   return f"gs://{name}/{prefix}{spec.run_dir or 'runs/' + spec.name}"
 
 
+def topologies(spec: ClusterSpec) -> dict[str, str]:
+  """Each role's slice as the ahead-of-time compiler names it (rl/aot.py SLICES: "v5p-8",
+  "v5e-8"), "cpu" for the retrieval server (a CPU role wherever it runs)."""
+
+  def aot_name(s: Slice) -> str:
+    return f"{s.chip.name}-{s.accelerator_type.rsplit('-', 1)[1]}"
+
+  return {
+    "retrieval": "cpu",
+    "serving": aot_name(spec.serving[0]),
+    "trainer": aot_name(spec.trainer),
+  }
+
+
 def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
   root = shared(spec)
   files = tuple(

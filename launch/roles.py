@@ -19,6 +19,9 @@ Only the paths, hosts and ports differ between the gcloud and local backends (`L
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 from asearcher_jax.apps import gin_config
 from asearcher_jax.errors import AsearcherError
@@ -175,3 +178,44 @@ def check_roles(layout: Layout) -> None:
   message = check_layouts([layout])[0]
   if message:
     raise SpecError(message)
+
+
+def rehearse_roles(
+  layout: Layout, topologies: dict[str, str], programs: str, timeout_s: float = 7200.0
+) -> dict[str, dict]:
+  """Every role of `layout` rehearsed (`asearcher rehearse --each`, apps/rehearsal.py) in one
+  child process: each role's own command line configured as it will run, its programs
+  compiled for its slice (`topologies`: role -> slice name, "cpu" for a host with none) as
+  `programs` says (all, largest, arguments). Returns role -> its report (or {"error": ...})."""
+  argvs = role_argvs(layout)
+  jobs = [{"topology": topologies[r], "programs": programs, "argv": a} for r, a in argvs.items()]
+  try:
+    out = subprocess.run(
+      [sys.executable, "-m", "asearcher_jax.main", "rehearse", "--each"], cwd=REPO,
+      input="".join(json.dumps(j) + "\n" for j in jobs), capture_output=True, text=True,
+      timeout=timeout_s,
+    )  # fmt: skip
+  except subprocess.TimeoutExpired:
+    raise SpecError(f"rehearsing the roles took over {timeout_s:.0f} s") from None
+  reports = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+  if len(reports) != len(jobs):
+    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    raise SpecError(f"rehearsing the roles failed: {last}")
+  return dict(zip(argvs, reports, strict=True))
+
+
+def refusal(reports: dict[str, dict]) -> str | None:
+  """The line `launch start` ends with for the first role that cannot run (a configuration
+  the rehearsal refused, or a program too big for its chip), or None when every role fits."""
+  for role, r in reports.items():
+    if "error" in r:
+      return f"the {role} role's configuration: {r['error']}"
+    if not r["fits"]:
+      what = r.get("largest_program") or "a program"
+      need = r.get("hbm_gib_per_chip_max")
+      need = "?" if need is None else f"{need:.1f}"
+      return (
+        f"the {role} role does not fit its slice: {what} needs {need} GiB a chip on "
+        f"{r['topology']} (mesh {r.get('mesh')}), the chip has {r.get('hbm_gib_per_chip')} GiB"
+      )
+  return None

@@ -167,7 +167,10 @@ def serving(
     **args,
   }
   if extra["arguments_gib_per_chip"] > s.hbm_gib:  # no compile can make it fit
-    report = {"name": "arguments", "total_gib": extra["arguments_gib_per_chip"], "fits": False}
+    what = (
+      f"its weights ({args['weights_gib']} GiB) and decode state ({args['decode_state_gib']} GiB)"
+    )
+    report = {"name": what, "total_gib": extra["arguments_gib_per_chip"], "fits": False}
     return {**_summary("serving", target, [report], 1, extra), "programs_compiled": 0}
   if target.programs == "arguments":
     return {**_summary("serving", target, [], 0, extra), "fits": True}
@@ -177,16 +180,8 @@ def serving(
   chunks = (8,) if target.programs == "largest" else (1, 2, 4, 8)
   eng.warmup(modes=warmup_modes or ("sample",), chunks=chunks, jetstream=jetstream)
   reports = [{"name": f"{p.step}{p.statics}", **p.report} for p in eng.programs]
-  extra["kv_heads_per_chip"] = _kv_heads_per_chip(eng)
   extra["paged_attention"] = eng.paged_attention if eng.paged else None
   return _summary("serving", target, reports, eng.programs_dispatched, extra)
-
-
-def _kv_heads_per_chip(eng: Any) -> int:
-  state = eng.init_decode_state()
-  pool = state.cache.kv[0] if eng.paged else state.cache.k[0]
-  per_chip = pool.sharding.shard_shape(pool.shape)[2]
-  return per_chip // 2 if eng.paged else per_chip
 
 
 def trainer(*, config: Any, model_dir: str | None, model: ModelConfig | None) -> dict[str, Any]:
@@ -200,11 +195,20 @@ def trainer(*, config: Any, model_dir: str | None, model: ModelConfig | None) ->
   cfg = role_model(model_dir, model)
   extra = {"chips": s.chips, "hbm_gib_per_chip": s.hbm_gib, "remat_policy": cfg.remat_policy,
            "attention": cfg.attention, "params_b": round(cfg.num_params() / 1e9, 3)}  # fmt: skip
+  devices = aot.slice_devices(s)
+  args = aot.learner_arguments_gib(
+    cfg, devices=devices, optimizer=config.learner.optimizer, mesh=config.mesh or MeshConfig()
+  )
+  extra |= args
+  if args["train_state_gib"] > s.hbm_gib:  # no compile can make it fit
+    what = f"its train state ({args['train_state_gib']} GiB)"
+    report = {"name": what, "total_gib": args["train_state_gib"], "fits": False}
+    return {**_summary("trainer", target, [report], 1, extra), "programs_compiled": 0}
   if target.programs == "arguments":
     return {**_summary("trainer", target, [], 0, extra), "fits": True}
   ppo = config.ppo()
   r = aot.compile_learner(
-    cfg, devices=aot.slice_devices(s), hbm_gib=s.hbm_gib, ppo=ppo,
+    cfg, devices=devices, hbm_gib=s.hbm_gib, ppo=ppo,
     optimizer=config.learner.optimizer, mesh=config.mesh or MeshConfig(),
     score=bool(ppo.recompute_prox and not ppo.prox_in_step),
   )  # fmt: skip

@@ -446,8 +446,32 @@ def engine_arguments_gib(
     lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), jax.eval_shape(make),
     shardings,
   )  # fmt: skip
+  pool = state.cache.kv[0] if engine_cfg.kv_layout == "paged" else state.cache.k[0]
+  heads = pool.sharding.shard_shape(pool.shape)[2]
   return {
     "chips": m.shape["tensor"],
+    # KV heads each chip keeps (a paged pool stores keys and values of a head side by side)
+    "kv_heads_per_chip": heads // 2 if engine_cfg.kv_layout == "paged" else heads,
     "weights_gib": round(argument_bytes(params) / GIB, 3),
     "decode_state_gib": round(argument_bytes(state) / GIB, 3),
   }
+
+
+def learner_arguments_gib(
+  model: ModelConfig,
+  *,
+  devices: Sequence,
+  optimizer: steps.OptimizerConfig = steps.OptimizerConfig(),
+  precision: steps.PrecisionConfig = steps.PrecisionConfig(),
+  mesh: sharding_lib.MeshConfig = sharding_lib.MeshConfig(),
+  rules: Mapping = sharding_lib.DEFAULT_RULES,
+) -> dict[str, Any]:
+  """Per-chip GiB of the learner's train state (master weights and optimizer moments in their
+  shardings) on `devices`, without compiling: the floor under every train step."""
+  m = mesh.build(devices=list(devices))
+  _, params = steps.abstract_params(
+    model, mesh=m, rules=rules, master_dtype=precision.master_dtype,
+    stacked=steps.trains_stacked(model),
+  )  # fmt: skip
+  state = steps.abstract_train_state(params, steps.make_optimizer(optimizer))
+  return {"mesh": dict(m.shape), "train_state_gib": round(argument_bytes(state) / GIB, 3)}
