@@ -215,7 +215,8 @@ def refusal(reports: dict[str, dict]) -> str | None:
       need = r.get("hbm_gib_per_chip_max")
       need = "?" if need is None else f"{need:.1f}"
       return (
-        f"the {role} role does not fit its slice: {what} needs {need} GiB a chip on "
-        f"{r['topology']} (mesh {r.get('mesh')}), the chip has {r.get('hbm_gib_per_chip')} GiB"
+        f"the {role} role does not fit its slice: it needs {need} GiB a chip on "
+        f"{r['topology']} (mesh {r.get('mesh')}; {what}), the chip has "
+        f"{r.get('hbm_gib_per_chip')} GiB"
       )
   return None

@@ -35,11 +35,20 @@ def dry_run(spec: Path, action: str) -> tuple[int, str, str]:
   return rc, out.getvalue(), err.getvalue()
 
 
+# The 7B recipe's serving replica does not fit a v5e-8 (Qwen2.5-7B's 28 heads do not split over
+# 8 chips, so each would hold the whole page pool): start refuses it (tests/launch/test_rehearse.py).
+REFUSED = {("v5e", "start")}
+
+
 @pytest.mark.parametrize("chip", ["v5e", "v5p", "v5p_tier"])
 def test_dry_run_matches_golden(chip):
   text = ""
   for action in gcloud.ACTIONS:
     rc, out, err = dry_run(SPECS[chip], action)
+    if (chip, action) in REFUSED:
+      assert rc == 2 and out == "" and err.count("\n") == 1, err
+      text += f"# {action}\n{err}"
+      continue
     assert rc == 0 and not err, err
     text += f"# {action}\n{out}"
   golden = GOLDEN / f"{chip}.txt"
