@@ -206,10 +206,19 @@ def setup(spec: ClusterSpec, commit: str) -> list[Command]:
   return cmds
 
 
+def compile_cache(spec: ClusterSpec) -> str:
+  """The compile cache every TPU role reads and writes (JAX's persistent cache, keyed by the
+  program, its devices and the jax version): on the bucket, so a restarted or replaced VM reads
+  the programs another compiled instead of paying the cold start again (`python -m launch
+  rehearse` reports its seconds per role)."""
+  return f"{spec.bucket}/compile_cache"
+
+
 def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
   """Retrieval server on trainer worker 0, serve-model on every serving host (each announces
   itself in an address file on the shared mount), then the trainer on every trainer worker."""
   lay = layout(spec, gin_params)
+  cache = {"ASEARCHER_COMPILE_CACHE": compile_cache(spec)}
   cmds = [
     Command(argv=("gcloud", "compute", "tpus", "tpu-vm", "describe", spec.trainer.name,
                   *_where(spec), "--format=value(networkEndpoints[0].ipAddress)"),
@@ -238,14 +247,14 @@ def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
       )
       # serve-model's own address file names 0.0.0.0; the shared one names this host's IP.
       own = dataclasses.replace(lay, address_files=("/tmp/asearcher_serve.json",))
-      script = f"{announce} && {_background('serve', roles.serve_argv(own, 0))}"
+      script = f"{announce} && {_background('serve', roles.serve_argv(own, 0), cache)}"
       cmds.append(_ssh(spec, s, w, script))
       index += 1
   coordinator = f"{TRAINER_IP}:{spec.coordinator_port}"
   keys = {k: f"${k}" for k in SECRETS}
   for w in range(spec.trainer.hosts):
     env = roles.trainer_env(coordinator, spec.trainer.hosts, w)
-    script = _background("trainer", roles.trainer_argv(lay), env)
+    script = _background("trainer", roles.trainer_argv(lay), {**cache, **env})
     if spec.tools == "web":  # filled in from the launching environment by run(), never printed
       script = " ".join(f"{k}={v}" for k, v in keys.items()) + f" bash -c {shlex.quote(script)}"
     cmds.append(_ssh(spec, spec.trainer, w, script))

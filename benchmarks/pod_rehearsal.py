@@ -1,0 +1,89 @@
+"""Does every role of every shipped real-model launch spec fit its slice, as launched?
+
+For each launch spec of a real-model recipe (launch/specs/*.toml but the local one), `python -m
+launch rehearse` builds every role from the very command line the launcher gives it (the same gin
+files and parameters; the model config read from config.json as `train` and `serve-model` read
+it, from the copy the package ships) and compiles ahead of time, for the role's own slice, the
+programs the role compiles before its first step or first request (apps/rehearsal.py): the
+serving replica's whole engine warm-up (`AotEngine`: prefill buckets, suffix extends, decode,
+on the replica's tensor-parallel mesh), the trainer's optimizer step and proximal pass; the
+retrieval server is a CPU role. Per role: topology, mesh, programs compiled and programs the
+warm-up dispatches (equal unless a compile failed), HBM per chip of the largest, fits, compile
+seconds summed (the cold start a fresh VM pays; libtpu 0.0.42.1 on this host's CPUs). Per spec:
+all_fit.
+
+Programs: POD_REHEARSAL_PROGRAMS = "largest" (default: the largest program of each engine step
+and the trainer's two programs, what decides the fit: ~10 minutes a spec here) or "all" (every
+warm-up program: the cold start, hours on 2 cores for a 7B replica) or "arguments" (no compile:
+weights, caches and train state per chip, seconds). POD_REHEARSAL_SPECS: comma-separated spec
+names to limit the run. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SPECS = sorted(p for p in (REPO / "launch" / "specs").glob("*.toml") if p.stem != "local_tiny")
+TIMEOUT_S = float(os.environ.get("POD_REHEARSAL_TIMEOUT_S", 7200))
+KEEP = (
+  "topology", "mesh", "chips", "programs_warmed", "programs_compiled", "hbm_gib_per_chip_max",
+  "hbm_gib_per_chip", "largest_program", "fits", "compile_s_total", "kv_heads_per_chip",
+  "mesh_is_slice", "remat_policy", "error",
+)  # fmt: skip
+
+
+def rehearse(spec: Path, programs: str) -> dict:
+  t0 = time.perf_counter()
+  cmd = [sys.executable, "-m", "launch", "rehearse", "--spec", str(spec), "--programs", programs]
+  try:
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    return {"error": f"did not finish in {TIMEOUT_S:.0f} s", "all_fit": None}
+  lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+  if not lines:
+    last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+    return {"error": last, "all_fit": False}
+  report = json.loads(lines[-1])
+  roles = {
+    name: {k: v for k, v in role.items() if k in KEEP} for name, role in report["roles"].items()
+  }
+  return {
+    "experiment": report["experiment"],
+    "roles": roles,
+    "all_fit": report["all_fit"],
+    "wall_s": round(time.perf_counter() - t0, 1),
+  }
+
+
+def main() -> None:
+  programs = os.environ.get("POD_REHEARSAL_PROGRAMS", "largest")
+  only = {s for s in os.environ.get("POD_REHEARSAL_SPECS", "").split(",") if s}
+  out: dict = {
+    "date": datetime.date.today().isoformat(),
+    "programs": programs,
+    "cores": os.cpu_count(),
+    "specs": {},
+  }
+  for spec in SPECS:
+    if only and spec.stem not in only:
+      continue
+    result = rehearse(spec, programs)
+    out["specs"][spec.stem] = result
+    print(f"{spec.stem}: all_fit={result.get('all_fit')} ({result.get('wall_s')} s)", flush=True)
+    for role, r in result.get("roles", {}).items():
+      print(f"  {role:9} {r.get('topology'):7} mesh={r.get('mesh')} programs "
+            f"{r.get('programs_compiled')}/{r.get('programs_warmed')} max "
+            f"{r.get('hbm_gib_per_chip_max')} GiB/chip fits={r.get('fits')} compile "
+            f"{r.get('compile_s_total')} s", flush=True)  # fmt: skip
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()
