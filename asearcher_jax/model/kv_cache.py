@@ -198,9 +198,3 @@ def paged_gather(pool: jax.Array, table: jax.Array) -> tuple[jax.Array, jax.Arra
   b, n = table.shape
   out = pool[table]  # [B, n, page_size, 2K, hd]
   return split_kv(out.reshape(b, n * pool.shape[1], *pool.shape[2:]))
-
-
-def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
-  """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write of a shared page before a
-  sequence writes into it); pairs (NULL_PAGE, NULL_PAGE) pad a call to a fixed size."""
-  return cache.replace(kv=tuple(p.at[dst].set(p[src]) for p in cache.kv))

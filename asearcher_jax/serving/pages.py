@@ -5,8 +5,9 @@ The device holds per-layer page pools and a [slots, pages_per_seq] page table
 (`model.kv_cache.PagedKVCache`); this module decides which pages each slot maps. A page is
 referenced by every slot table that maps it and by the block cache while it caches it; it returns
 to the free list when the last reference goes. Pages are shared only when full and never written
-again (a block of page_size tokens is immutable once computed), so sharing needs no copy; a slot
-that must write into a shared page copies it first (`fork`, copy-on-write).
+again (a block of page_size tokens is immutable once computed), so sharing needs no copy and
+there is no copy-on-write: a slot writes only into pages it alone maps (the partial last page
+of its sequence is never shared).
 
 The block cache is vLLM's automatic prefix caching: block i of a sequence is keyed by a hash
 chained over blocks 0..i (so equal keys mean equal prefixes), and a new sequence maps the longest
@@ -73,18 +74,6 @@ class PageAllocator:
       self._refs[p] -= 1
       if self._refs[p] == 0:
         self._free.append(p)
-
-  def fork(self, page: int) -> int | None:
-    """Copy-on-write: a page the caller may write in place of `page`, whose reference the
-    caller gives up. The page itself when the caller holds its only reference (no copy); else a
-    fresh page, and the caller copies `page` into it on the device. None when none is free."""
-    if self._refs[page] == 1:
-      return page
-    if not self._free:
-      return None
-    (new,) = self.alloc(1)
-    self.free([page])
-    return new
 
 
 def block_keys(tokens: Sequence[int], page_size: int) -> list[int]:

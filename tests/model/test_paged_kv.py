@@ -94,7 +94,7 @@ def test_a_few_rows_of_a_large_table_and_a_suffix_over_shared_pages(attention, r
   np.testing.assert_array_equal(np.asarray(paged.k[1])[9, 3], 0)  # the pad was dropped
 
 
-def test_page_coordinates_and_copy_pages():
+def test_page_coordinates():
   table = jnp.asarray([[4, 2, 0]], jnp.int32)
   positions = jnp.asarray([[0, 5, 9, 12, 13]])
   valid = jnp.asarray([[True, True, True, True, False]])
@@ -102,12 +102,6 @@ def test_page_coordinates_and_copy_pages():
   # Position 9 is in an unmapped page, 12 past the table, 13 not valid: all on the null page.
   assert page.tolist() == [[4, 2, NULL_PAGE, NULL_PAGE, NULL_PAGE]]
   assert offset.tolist() == [[0, 1, 1, 0, 1]]
-  cfg = small_cfg(vocab_size=101)
-  cache = PagedKVCache.init(cfg, slots=1, num_pages=6, page_size=4, pages_per_seq=3)
-  cache = cache.replace(kv=tuple(p.at[2].set(1.0) for p in cache.kv))
-  copied = kv_lib.copy_pages(cache, jnp.asarray([2, 0]), jnp.asarray([5, 0]))
-  np.testing.assert_array_equal(np.asarray(copied.k[0][5]), 1.0)
-  np.testing.assert_array_equal(np.asarray(copied.v[0][2]), 1.0)
   assert transformer.PageView._fields[:3] == ("write_page", "write_offset", "read_table")
 
 

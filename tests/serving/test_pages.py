@@ -25,18 +25,6 @@ def test_allocator_counts_references_and_reuses_freed_pages():
     PageAllocator(1)
 
 
-def test_fork_copies_only_a_shared_page():
-  a = PageAllocator(4)
-  (p,) = a.alloc(1)
-  assert a.fork(p) == p  # sole owner: write in place
-  a.share([p])
-  q = a.fork(p)
-  assert q not in (p, None) and a.refs(p) == 1 and a.refs(q) == 1
-  a.alloc(a.free_count)
-  a.share([q])
-  assert a.fork(q) is None  # shared, and no page free to copy into
-
-
 def test_block_keys_chain_over_the_prefix():
   assert len(block_keys(list(range(10)), 4)) == 2  # the partial third block has no key
   a, b = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4), block_keys([9, 2, 3, 4, 5, 6, 7, 8], 4)
