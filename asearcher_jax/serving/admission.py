@@ -148,7 +148,7 @@ class Admission:
     if last:  # the remainder, in the smallest bucket that holds it (extend_plan may move back)
       start, bucket, window = self.engine.extend_plan(done, n)
     else:
-      start, bucket, window = done, chunk, self.engine.bucket_for(done + chunk)
+      start, bucket, window = done, chunk, self.engine.window_for(done + chunk)
     end = n if last else start + chunk
     t0 = time.perf_counter()
     try:

@@ -226,7 +226,7 @@ class Engine(EngineContract):
     if extend:  # the no-prefill admission of a continuing turn, then every suffix prefill
       state = self.activate_slot(state, 0, 1, 1, sampling=SamplingParams())
       for sb in self.cfg.extend_buckets:
-        for window in self.cfg.buckets:
+        for window in self.windows:
           if window < sb and not self.paged:  # a paged suffix's padding may pass its window
             continue
           for mode in modes:
@@ -240,7 +240,7 @@ class Engine(EngineContract):
                   params, state, list(range(k)), [[1]] * k, [max(window - sb, 0)] * k,
                   samplings=[sp] * k, seeds=list(range(k)), bucket=sb, window=window,
                 )  # fmt: skip
-    for window in self.cfg.buckets:
+    for window in self.windows:
       for mode in modes:
         for size in self.cfg.row_buckets:
           live = range(size) if size < self.cfg.max_slots else None
@@ -286,6 +286,22 @@ class Engine(EngineContract):
     the pages every later call reads and writes. Calls dispatched earlier keep the old one."""
     table = jax.device_put(np.asarray(table, np.int32), self._replicated)
     return decode_state.replace(cache=decode_state.cache.replace(page_table=table))
+
+  @property
+  def windows(self) -> tuple[int, ...]:
+    """The attended lengths decode and suffix steps are compiled for: every bucket, or only
+    max_seq_len where attention reads each sequence over its own length (ragged paged), which
+    a window would not change: one program where there were one per bucket (a 7B replica's
+    warm-up, 145 programs -> 62)."""
+    return (self.cfg.max_seq_len,) if self._window_free else self.cfg.buckets
+
+  def window_for(self, length: int) -> int:
+    """The window a step attending `length` positions runs over (see `windows`)."""
+    return self.cfg.max_seq_len if self._window_free else self.bucket_for(length)
+
+  @functools.cached_property
+  def _window_free(self) -> bool:
+    return self.paged and self.paged_attention in ("ragged", "ragged_reference")
 
   def bucket_for(self, length: int) -> int:
     buckets = self.cfg.buckets
@@ -388,7 +404,7 @@ class Engine(EngineContract):
     when they fit a `decode_rows` size, only that many slots are computed. The defaults
     (JetStream's orchestrator) attend over the whole cache with the general sampler. top_n: also
     report that many top alternatives per slot (`steps.result_top`); 0 (RL) computes none."""
-    window = self.cfg.max_seq_len if max_length is None else self.bucket_for(max_length)
+    window = self.cfg.max_seq_len if max_length is None else self.window_for(max_length)
     size = self.rows_for(len(live)) if live is not None else self.cfg.max_slots
     if size == self.cfg.max_slots:
       return self._run(
@@ -447,7 +463,7 @@ class Engine(EngineContract):
       stop_ids=jnp.asarray(table),
       steps=jnp.asarray(n, jnp.int32),
     )
-    window = self.bucket_for(max_length)
+    window = self.window_for(max_length)
     state, out = self._run(
       steps.DECODE_CHUNK,
       self._graphdef,
@@ -485,7 +501,7 @@ class Engine(EngineContract):
     buckets = self.cfg.extend_buckets
     sb = buckets[bisect.bisect_left(buckets, prompt_len - start)]
     if self.paged:  # padding writes nowhere: start stays, the window holds the real tokens
-      return start, sb, self.bucket_for(prompt_len)
+      return start, sb, self.window_for(prompt_len)
     start = min(start, self.cfg.max_seq_len - sb)
     return start, sb, self.bucket_for(start + sb)
 

@@ -102,3 +102,23 @@ def test_a_refused_program_is_reported_and_the_warmup_goes_on():
   assert failed and all(p.report["fits"] is False for p in failed)
   assert all(p.report["error"] == "RuntimeError: RESOURCE_EXHAUSTED: pretend" for p in failed)
   assert len(aot.programs) == aot.programs_dispatched > len(failed)
+
+
+def test_ragged_paged_attention_compiles_one_window_where_gather_compiles_each_bucket():
+  """Ragged attention reads each sequence over its own length, so a window changes nothing in
+  its program: decode and suffix steps compile once, not once per prefill bucket."""
+  model = presets.model_config(name="qwen2-tiny")
+
+  def counts(attention: str) -> collections.Counter:
+    cfg = dataclasses.replace(_cfg("paged"), paged_attention=attention)
+    aot = AotEngine(model, Tokenizer.qwen2(), cfg, devices=jax.devices()[:2], compiler=_compile)
+    aot.warmup(modes=("sample",), chunks=(1,), jetstream=False)
+    return collections.Counter(p.step for p in aot.programs)
+
+  cfg = _cfg("paged")
+  gather, ragged = counts("gather"), counts("ragged_reference")
+  decode = ("GENERATE", "GENERATE_ROWS")
+  assert sum(ragged[s] for s in decode) == len(cfg.row_buckets)
+  assert sum(gather[s] for s in decode) == len(cfg.row_buckets) * len(cfg.buckets)
+  assert ragged["EXTEND_PAGED"] == len(cfg.extend_buckets) < gather["EXTEND_PAGED"]
+  assert ragged["PREFILL_MANY"] == gather["PREFILL_MANY"] == len(cfg.buckets)
