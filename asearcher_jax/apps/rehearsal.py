@@ -141,6 +141,11 @@ def _summary(role: str, target: Target, reports: list[dict[str, Any]], warmed: i
     "largest_program": None if largest is None else largest.get("name"),
     "fits": bool(compiled) and len(compiled) == warmed and all(r["fits"] for r in reports),
     "compile_s_total": round(sum(r.get("compile_s", 0.0) for r in reports), 1),
+    # every program, largest first: name, GiB a chip, fits, compile seconds (and any error)
+    "program_reports": [
+      {k: r.get(k) for k in ("name", "total_gib", "fits", "compile_s", "error") if k in r}
+      for r in sorted(reports, key=lambda r: -(r.get("total_gib") or 0.0))
+    ],
   }
 
 

@@ -129,9 +129,9 @@ class Admission:
         self.table.prefilling[free.pop(0)] = (req, 0)  # prefilled piece by piece, from the loop
         continue
       by_bucket[self.engine.bucket_for(len(req.prompt))].append(req)
-    for reqs in by_bucket.values():
+    for bucket, reqs in by_bucket.items():
       while reqs:
-        size = next(c for c in PREFILL_CHUNKS if c <= len(reqs))
+        size = next(c for c in self.engine.prefill_chunks(bucket, PREFILL_CHUNKS) if c <= len(reqs))
         chunk, reqs = reqs[:size], reqs[size:]
         self._admit_chunk(params, chunk, [free.pop(0) for _ in chunk])
     return len(taken)
@@ -336,9 +336,11 @@ class Admission:
     by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
     for slot, req in live:
       by_bucket[self.engine.bucket_for(len(req.prompt) + len(req.tokens) - 1)].append((slot, req))
-    for group in by_bucket.values():
+    for bucket, group in by_bucket.items():
       while group:
-        size = next(c for c in PREFILL_CHUNKS if c <= len(group))
+        size = next(
+          c for c in self.engine.prefill_chunks(bucket, PREFILL_CHUNKS) if c <= len(group)
+        )
         chunk, group = group[:size], group[size:]
         reqs = [r for _, r in chunk]
         prefixes = self.engine.prefill_many(

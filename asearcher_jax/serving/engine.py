@@ -85,6 +85,10 @@ class EngineConfig:
     "auto": ragged on TPU, gather elsewhere. Either way, where the tensor-parallel degree exceeds
     the KV heads (and divides by them) the pools hold each head once per chip
     (`ragged_paged.kv_repeat`), so every chip keeps one head's pages instead of all of them.
+  prefill_tokens_per_call: most padded prompt tokens one whole-prompt prefill call takes: a
+    bucket b is admitted k prompts at a time only where k * b fits (one prompt always); 0: no
+    limit. Eight 32k prompts in one call need 115 GiB a chip for a 7B replica on v5p-8
+    (`python -m launch rehearse`); the recipes bind 32,768.
   """
 
   max_slots: int = 8
@@ -100,6 +104,7 @@ class EngineConfig:
   page_size: int = 16
   num_pages: int = 0
   paged_attention: Literal["auto", "gather", "ragged", "ragged_reference"] = "auto"
+  prefill_tokens_per_call: int = 0
 
   def __post_init__(self):
     if self.max_slots < 1 or self.max_seq_len < 2:
@@ -116,6 +121,10 @@ class EngineConfig:
       raise ValueError(
         f"EngineConfig.paged_attention must be auto, gather, ragged or ragged_reference, got "
         f"{self.paged_attention!r}"
+      )
+    if self.prefill_tokens_per_call < 0:
+      raise ValueError(
+        f"EngineConfig.prefill_tokens_per_call must be >= 0, got {self.prefill_tokens_per_call}"
       )
     if self.page_size < 1 or self.max_seq_len % self.page_size:
       raise ValueError(
@@ -212,7 +221,7 @@ class Engine(EngineContract):
       prompt = [1] * min(bucket, self.cfg.max_seq_len - 1)
       for mode in modes:
         temp = 0.0 if mode == "greedy" else 1.0
-        for k in chunks:
+        for k in self.prefill_chunks(bucket, chunks):
           sp = [SamplingParams(temperature=temp, top_p=0.9 if mode == "truncate" else 1.0)] * k
           prefixes = self.prefill_many(
             params=params, prompts=[prompt] * k, samplings=sp, seeds=list(range(k))
@@ -302,6 +311,12 @@ class Engine(EngineContract):
   @functools.cached_property
   def _window_free(self) -> bool:
     return self.paged and self.paged_attention in ("ragged", "ragged_reference")
+
+  def prefill_chunks(self, bucket: int, chunks: Sequence[int]) -> tuple[int, ...]:
+    """The sizes of `chunks` a whole-prompt prefill of `bucket` may admit at once (see
+    `EngineConfig.prefill_tokens_per_call`), in their order; 1 always."""
+    cap = self.cfg.prefill_tokens_per_call
+    return tuple(k for k in chunks if k == 1 or not cap or k * bucket <= cap)
 
   def bucket_for(self, length: int) -> int:
     buckets = self.cfg.buckets

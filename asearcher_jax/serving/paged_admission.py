@@ -139,9 +139,11 @@ class PagedAdmission(Admission):
       else:
         start, bucket, window = self.engine.extend_plan(cached, len(ctx))
         suffix[bucket].append((req, slot, start, window, start >= cached))
-    for group in fresh.values():
+    for bucket, group in fresh.items():
       while group:
-        size = next(c for c in PREFILL_CHUNKS if c <= len(group))
+        size = next(
+          c for c in self.engine.prefill_chunks(bucket, PREFILL_CHUNKS) if c <= len(group)
+        )
         chunk, group = group[:size], group[size:]
         self._call(params, chunk, metric)
     for bucket, group in suffix.items():
