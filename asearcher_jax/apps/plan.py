@@ -63,28 +63,42 @@ def estimate(
   )
   old = plan_sim.async_vs_sync(w_old, schedule)
   searches = workload.searches.mean()
-  serving_of = {}
-  for mode, groups in (
-    ("async", schedule.max_concurrent or (schedule.eta + 1) * schedule.batch_groups),
-    ("sync", schedule.batch_groups),
-  ):
-    serving_of[mode] = mem.serving_rates(
-      model, serving, lengths, mem.chip_rates(serving, chip),
-      in_flight=groups * schedule.group_size, calls_per_episode=2 * searches + 1,
-      tokens_per_call=workload.output_tokens.mean(), searches_per_episode=searches,
-      group_size=schedule.group_size,
-    )  # fmt: skip
-  w, w_sync = (
-    dataclasses.replace(
-      workload,
-      train_step_s=train_s,
-      decode_token_s=r["decode_token_s"],
-      call_overhead_s=workload.call_overhead_s + r["call_overhead_s"],
+
+  def simulate(shape: mem.ServingShape, updates: bool) -> tuple[dict, dict]:
+    """(async_vs_sync's result, the async mode's serving rates) of replicas of `shape`; with
+    `updates`, async RL's weight updates land mid-episode once a train step (sync RL's land
+    between steps, with nothing in flight)."""
+    rates = {}
+    for mode, groups in (
+      ("async", schedule.max_concurrent or (schedule.eta + 1) * schedule.batch_groups),
+      ("sync", schedule.batch_groups),
+    ):
+      rates[mode] = mem.serving_rates(
+        model, shape, lengths, mem.chip_rates(shape, chip),
+        in_flight=groups * schedule.group_size, calls_per_episode=2 * searches + 1,
+        tokens_per_call=workload.output_tokens.mean(), searches_per_episode=searches,
+        group_size=schedule.group_size,
+        update_interval_s=train_s if updates and mode == "async" else None,
+      )  # fmt: skip
+    w, w_sync = (
+      dataclasses.replace(
+        workload,
+        train_step_s=train_s,
+        decode_token_s=r["decode_token_s"],
+        call_overhead_s=workload.call_overhead_s + r["call_overhead_s"],
+      )
+      for r in (rates["async"], rates["sync"])
     )
-    for r in (serving_of["async"], serving_of["sync"])
+    return plan_sim.async_vs_sync(w, schedule, sync_workload=w_sync), rates["async"]
+
+  rl, a = simulate(serving, updates=True)
+  w = dataclasses.replace(workload, train_step_s=train_s, decode_token_s=a["decode_token_s"])
+  # The planner before 2026-12-04 (no re-prefill, free slots free) and the engine before it
+  # (free slots read the whole context each decode step), for comparison.
+  before, _ = simulate(dataclasses.replace(serving, reprefill_on_update=False), updates=False)
+  idle_engine, _ = simulate(
+    dataclasses.replace(serving, idle_slot_context=serving.context), updates=True
   )
-  rl = plan_sim.async_vs_sync(w, schedule, sync_workload=w_sync)
-  a = serving_of["async"]
   return {
     "model_params_b": round(model.num_params() / 1e9, 3),
     "chip": chip,
@@ -101,6 +115,8 @@ def estimate(
       "decode_batch_per_replica": round(a["decode_batch"], 1),
       "live_context_tokens": round(a["context"]),
       "decode_step_ms": round(a["step_s"] * 1e3, 2),
+      "reprefill_s_per_update": round(a["reprefill_s"], 2),
+      "reprefill_stall_frac": round(a["reprefill_stall_frac"], 3),
       "call_prefill_ms": round(a["call_overhead_s"] * 1e3, 2),
       "tokens_per_s": round(serving.replicas * a["decode_batch"] / a["step_s"], 1),
     },
@@ -111,6 +127,10 @@ def estimate(
     },
     "sync_step_s": round(rl["sync"]["wall_s"] / 10, 2),
     "async_step_s": round(rl["async"]["wall_s"] / 10, 2),
+    # async step without re-prefill (the planner before 2026-12-04), and with it and free slots
+    # reading the whole context (the engine before 2026-12-04)
+    "async_step_s_no_reprefill": round(before["async"]["wall_s"] / 10, 2),
+    "async_step_s_idle_slots_full_window": round(idle_engine["async"]["wall_s"] / 10, 2),
     "speedup_async_vs_sync": round(rl["speedup"], 2),
     "async_trainer_idle": round(rl["async"]["trainer_idle_frac"], 3),
     "async_capacity_ratio": round(rl["async"]["capacity_ratio"], 2),

@@ -182,8 +182,7 @@ def serving(
   cfg = aot.largest_programs(engine) if target.programs == "largest" else engine
   eng = AotEngine(model, Tokenizer.qwen2(), cfg, devices=devices,
                   compiler=aot.engine_compiler(s.hbm_gib * aot.GIB))  # fmt: skip
-  chunks = (8,) if target.programs == "largest" else (1, 2, 4, 8)
-  eng.warmup(modes=warmup_modes or ("sample",), chunks=chunks, jetstream=jetstream)
+  eng.warmup(modes=warmup_modes or ("sample",), jetstream=jetstream)
   reports = [{"name": f"{p.step}{p.statics}", **p.report} for p in eng.programs]
   extra["paged_attention"] = eng.paged_attention if eng.paged else None
   return _summary("serving", target, reports, eng.programs_dispatched, extra)

@@ -420,9 +420,9 @@ def engine_compiler(hbm_bytes: float) -> Any:
 
 
 def largest_programs(cfg: Any) -> Any:
-  """An `EngineConfig` whose warm-up compiles only the largest program of each step: the
-  longest prefill bucket at the widest admission, the longest suffix over the longest window,
-  every slot's decode. Memory follows these (the weights and pools are every program's
+  """An `EngineConfig` whose warm-up compiles only the largest programs of each step: the
+  longest prefill bucket at every admission width its token cap allows, the longest suffix over
+  the longest window, every slot's decode. Memory follows these (the weights and pools are every program's
   arguments); a fit check compiles them in minutes where a whole warm-up takes an hour."""
   return dataclasses.replace(
     cfg, prefill_buckets=(cfg.max_seq_len,), suffix_buckets=(), decode_rows=()

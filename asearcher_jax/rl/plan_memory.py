@@ -129,6 +129,12 @@ class ServingShape:
   bandwidth_efficiency: float = 0.6
   flops_efficiency: float = 0.4
   call_overhead_s: float = 0.002
+  # A weight update re-prefills every live sequence under the new weights before decoding goes
+  # on (DriverConfig.kv_on_update "recompute", AReaL's); False: "keep" (no re-prefill).
+  reprefill_on_update: bool = True
+  # Positions a free slot's decode row attends (paged): 0, the engine since 2026-12-04; the
+  # context, the engine before (a free slot sat at the cache's last position and read it all).
+  idle_slot_context: int = 0
 
   def __post_init__(self):
     if self.pages is not None and self.pages <= 0:
@@ -315,13 +321,17 @@ def decode_step_s(
   weight_dtype: str | None = None,
   kv_dtype: str | None = None,
   prefill_tokens: float = 0.0,
+  idle_positions: float = 0.0,
 ) -> float:
   """Seconds of one decode step of `batch` sequences holding `context` positions each (plus
   `prefill_tokens` of prefill riding in the same ragged batch): the weights and every live
   key and value read once, or the matmul FLOPs, whichever takes longer, plus the call's
-  overhead. chips: the replica's tensor-parallel degree (the KV heads each chip holds)."""
+  overhead. chips: the replica's tensor-parallel degree (the KV heads each chip holds).
+  idle_positions: positions the step's free slots read besides (ServingShape.idle_slot_context
+  each)."""
   weights = model.num_params() * _b(weight_dtype or model.param_dtype)
-  kv = batch * context * kv_bytes_per_token(model, chips, kv_dtype or model.dtype) * chips
+  per_token = kv_bytes_per_token(model, chips, kv_dtype or model.dtype) * chips
+  kv = (batch * context + idle_positions) * per_token
   tokens = batch + prefill_tokens
   q = model.num_heads * model.resolved_head_dim
   flops = 2 * model.num_params() * tokens + 4 * model.num_layers * q * batch * context
@@ -377,6 +387,7 @@ def serving_rates(
   tokens_per_call: float,
   searches_per_episode: float,
   group_size: int,
+  update_interval_s: float | None = None,
 ) -> dict[str, float]:
   """Per-token and per-call seconds of one episode when `in_flight` episodes share the
   replicas (plan_sim.Workload's decode_token_s and call_overhead_s), and what they come from.
@@ -386,7 +397,12 @@ def serving_rates(
   each live sequence's own positions; the fixed one reads every slot over the window of the
   longest (the 1 - 1 / (batch + 1) quantile of the length). Prefill tokens (the prompt, once a
   group when shared, and each tool result) ride in the decode steps in proportion to the
-  tokens generated; a call waits for its own prefill besides."""
+  tokens generated; a call waits for its own prefill besides.
+
+  update_interval_s: seconds between two weight updates while episodes are in flight (async RL:
+  a train step); each one re-prefills every live sequence (`reprefill_on_update`) while
+  decoding waits, so tokens come 1 / (1 - that share of the interval) slower. None: no update
+  lands mid-episode (synchronous RL)."""
   share = in_flight / shape.replicas
   capacity = live_sequences(shape, dist)
   batch = max(min(share, capacity), 1.0)
@@ -397,16 +413,24 @@ def serving_rates(
   prompt = shape.prompt_tokens / group_size if shape.share_prompt else shape.prompt_tokens
   prefill_per_episode = prompt + searches_per_episode * shape.tool_tokens
   generated = calls_per_episode * tokens_per_call
+  idle = max(shape.slots - batch, 0.0) * shape.idle_slot_context if shape.pages else 0.0
   step = decode_step_s(
     model, batch=batch, context=context, rates=rates, chips=shape.chips,
     kv_dtype=shape.kv_dtype, prefill_tokens=batch * prefill_per_episode / generated,
+    idle_positions=idle,
   )  # fmt: skip
+  reprefill = 0.0
+  if update_interval_s and shape.reprefill_on_update:
+    reprefill = prefill_s(model, batch * context, rates)
+  stall = min(reprefill / update_interval_s, 0.9) if update_interval_s else 0.0
   return {
     "live_capacity": capacity,
     "decode_batch": batch,
     "context": context,
     "step_s": step,
-    "decode_token_s": step * max(1.0, share / capacity),
+    "reprefill_s": reprefill,
+    "reprefill_stall_frac": stall,
+    "decode_token_s": step * max(1.0, share / capacity) / (1.0 - stall),
     "call_overhead_s": prefill_s(model, prefill_per_episode / calls_per_episode, rates),
     "prefill_tokens_per_episode": prefill_per_episode,
   }
