@@ -129,6 +129,7 @@ def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
     retrieval_index_dir=INDEX_MOUNT if tier else None,
     retrieval_workers=tier.workers if tier else None,
     asearcher=(f"{VENV}/bin/asearcher",),
+    serving_tensor=spec.serving[0].chips,
   )  # fmt: skip
 
 

@@ -64,6 +64,9 @@ class LocalSpec:
   # Fake CPU devices per trainer process (ASEARCHER_LOCAL_DEVICE_COUNT: XLA's host platform
   # device count), so N processes simulate a pod of N hosts; None: XLA's default (one device).
   trainer_devices: int | None = None
+  # Fake CPU devices per serve-model process, each replica tensor parallel over all of them (as
+  # a serving slice's chips on a pod); None: one device, the recipe's own serving mesh.
+  serving_devices: int | None = None
   tools: str = "local"
   gin_params: tuple[str, ...] = ()
 
@@ -75,7 +78,7 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
   if unknown := sorted(set(d) - known):
     hint = "; a gcloud spec? drop --backend local" if {"project", "zone"} & set(unknown) else ""
     raise SpecError(f"{p}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)}){hint}")
-  for k in ("serving", "retrieval", "trainers", "trainer_devices"):
+  for k in ("serving", "retrieval", "trainers", "trainer_devices", "serving_devices"):
     if not isinstance(d.get(k, 1), int) or d.get(k, 1) < 1:
       raise SpecError(f"{p}: {k} must be an integer >= 1, got {d.get(k)!r}")
   if d.get("tools", "local") not in ("local", "web"):
@@ -106,6 +109,7 @@ def layout(spec: LocalSpec, run: Path, extra: tuple[str, ...] = ()) -> roles.Lay
     address_files=tuple(str(run / "addresses" / f"serve-{i}.json") for i in range(spec.serving)),
     retrieval_addr_dir=str(run / "retrieval") if spec.tools == "local" else None,
     host="127.0.0.1", serve_port=0, retrieval_port=0, asearcher=ASEARCHER,
+    serving_tensor=spec.serving_devices,
   )  # fmt: skip
 
 
@@ -151,12 +155,18 @@ class Supervisor:
 
   def start(self) -> None:
     self.start_retrieval()
-    for i in range(self.spec.serving):
-      self.spawn(f"serve-{i}", roles.serve_argv(self.lay, i))
+    self.start_serving()
     coordinator = f"127.0.0.1:{_free_port()}"
     for i in range(self.spec.trainers):
       env = roles.trainer_env(coordinator, self.spec.trainers, i, self.spec.trainer_devices)
       self.spawn(f"trainer-{i}", roles.trainer_argv(self.lay), env)
+
+  def start_serving(self) -> None:
+    """The serve-model processes ("serve-0", ...), each over `serving_devices` fake devices."""
+    devices = self.spec.serving_devices
+    for i in range(self.spec.serving):
+      env = None if devices is None else {"ASEARCHER_LOCAL_DEVICE_COUNT": str(devices)}
+      self.spawn(f"serve-{i}", roles.serve_argv(self.lay, i), env)
 
   def start_retrieval(self) -> None:
     """The retrieval replicas ("retrieval", or "retrieval-0", "retrieval-1", ... for several)."""

@@ -60,6 +60,9 @@ class Layout:
   retrieval_port: int = 0
   # The command that runs `asearcher` (a venv's script on a worker, `python -m` locally).
   asearcher: tuple[str, ...] = ("asearcher",)
+  # Chips each serve-model splits its replica over (tensor parallel: its serving slice's chips,
+  # or a local server's fake devices); None: the recipe's own binding.
+  serving_tensor: int | None = None
 
 
 def _gin(layout: Layout) -> list[str]:
@@ -99,6 +102,8 @@ def serve_argv(layout: Layout, index: int) -> list[str]:
     f"--gin_param=openai_api.OpenAIServerConfig.port={layout.serve_port}",
     f"--gin_param=serve_model.serve.address_file={_q(layout.address_files[index])}",
     f"--gin_param=serve_model.serve.weights_dir={_q(layout.weights_dir)}",
+    *([] if layout.serving_tensor is None
+      else [f"--gin_param=mesh.ServingMeshConfig.tensor={layout.serving_tensor}"]),
   ]  # fmt: skip
 
 

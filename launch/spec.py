@@ -51,7 +51,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 # Keys only a local-backend spec has (launch/local.py's LocalSpec).
-LOCAL_ONLY_KEYS = {"overlays", "run_dir", "trainers", "trainer_devices", "gin_params"}
+LOCAL_ONLY_KEYS = {
+  "overlays",
+  "run_dir",
+  "trainers",
+  "trainer_devices",
+  "serving_devices",
+  "gin_params",
+}
 
 
 class SpecError(ValueError):

@@ -159,7 +159,11 @@ async def _serve(
       await asyncio.to_thread(driver.close)
       raise AsearcherError(f"cannot load the published weights in {weights_dir}: {e}") from e
     watcher.start()
-  mesh = {"tensor": eng.mesh.shape["tensor"], "devices": [d.id for d in eng.mesh.devices.flat]}
+  mesh = {
+    "tensor": eng.mesh.shape["tensor"],
+    "devices": [d.id for d in eng.mesh.devices.flat],
+    "kv_heads_per_chip": eng.kv_heads_per_chip,
+  }
 
   def health_extra() -> dict:
     return {"mesh": mesh, **({} if watcher is None else {"weights": watcher.status()})}

@@ -690,6 +690,16 @@ class Engine(EngineContract):
     return jax.jit(make, out_shardings=shardings)()
 
   @property
+  def kv_heads_per_chip(self) -> int:
+    """KV heads each device of the engine's mesh keeps in its cache (or page pools): what
+    tensor parallelism saves the cache, read from the shardings, nothing allocated."""
+    make, shardings = decode_state_program(self.model_cfg, self.cfg, self._mesh)
+    cache, where = jax.eval_shape(make).cache, shardings.cache
+    pool, sharding = (cache.kv[0], where.kv[0]) if self.paged else (cache.k[0], where.k[0])
+    heads = sharding.shard_shape(pool.shape)[2]
+    return heads // 2 if self.paged else heads  # a page pool holds keys and values side by side
+
+  @property
   def paged_attention(self) -> str:
     """How this engine's paged attention reads its pages ("auto" resolved for its devices)."""
     return pages_layout(self.model_cfg, self.cfg, self._mesh).attention

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -59,11 +61,14 @@ def test_start_refuses_a_spec_whose_role_cannot_fit_before_any_cloud_command():
 
 
 def test_a_replica_bound_to_one_chip_is_refused():
-  """What every recipe did before binding its serving mesh: one chip holds the whole pool."""
-  rc, out, err = launch(
-    "start", "--spec", str(SPECS / "v5p_local_7b.toml"), "--dry-run",
+  """What every recipe and the launcher did before binding the serving mesh to the slice: one
+  chip of the v5p-8 holds the whole page pool (the launcher now binds the slice's chips)."""
+  cmd = [
+    sys.executable, "-m", "asearcher_jax.main", "rehearse", "--topology", "v5p-8",
+    "--programs", "arguments", "serve-model", "--gin_file=gin/experiments/asearcher_local_qwen2_5_7b.gin",
     "--gin_param=mesh.ServingMeshConfig.tensor=1",
-  )  # fmt: skip
-  assert rc == 2 and out == ""
-  assert "the serving role does not fit" in err and "(mesh {'tensor': 1})" in err
-  assert "the chip has 95.0 GiB" in err
+  ]  # fmt: skip
+  r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  report = json.loads(r.stdout.strip().splitlines()[-1])
+  assert r.returncode == 1 and not report["fits"] and report["mesh"] == {"tensor": 1}
+  assert report["hbm_gib_per_chip_max"] > 2 * 95.0  # ~200 GiB of pages and weights on one chip
