@@ -50,6 +50,13 @@ SUBCOMMANDS: dict[str, str] = {
   "sweep": "asearcher_jax.apps.sweep:sweep",
 }
 
+# Subcommands that need no accelerator: JAX runs on the CPU platform and the process never joins
+# a multi-process program, whatever the environment says. On a pod the retrieval server runs on
+# trainer worker 0 beside the trainer, which owns the chips and the slice's jax.distributed: a
+# retrieval server that joined would wait for peers that never come and open a TPU the trainer
+# needs (its encoder and BM25 want cores, not HBM).
+CPU_ONLY = frozenset({"serve-retrieval", "index", "plan"})
+
 # Config classes this module builds through gin itself (`distributed_config`, `compile_cache_config`).
 ROOT_CONFIGS = (
   "asearcher_jax.distributed:DistributedConfig",
@@ -277,6 +284,16 @@ def _check_each_main() -> int:
   return 2 if any(results) else 0
 
 
+def cpu_only() -> None:
+  """This process and every process it starts (a retrieval server's workers) on the CPU
+  platform: JAX's platform set before any backend starts (jax may already be imported by the
+  gin files), and the environment for children."""
+  import jax
+
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  jax.config.update("jax_platforms", "cpu")
+
+
 def rehearse_main(argv: Sequence[str]) -> int:
   """`asearcher rehearse --topology SLICE [--programs all|largest|arguments] ROLE ARGS...`: the
   role's command line (`serve-model ...`, `train ...`, `serve-retrieval ...`, as launch/roles.py
@@ -417,9 +434,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   from asearcher_jax import compile_cache, distributed
 
+  if args.subcommand in CPU_ONLY:
+    cpu_only()
   try:
     compile_cache.enable(compile_cache_config())
-    distributed.initialize(distributed_config())
+    if args.subcommand not in CPU_ONLY:
+      distributed.initialize(distributed_config())
   except ValueError as e:  # one line: gin appends "In call to configurable ..." lines
     print(f"asearcher {args.subcommand}: config error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2

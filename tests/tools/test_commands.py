@@ -178,3 +178,49 @@ def test_index_and_serve_a_prebuilt_faiss_file_from_the_command_line(tmp_path: P
     if proc.poll() is None:
       proc.kill()
       proc.wait(timeout=10)
+
+
+# A stand-in for `asearcher`: jax.distributed.initialize ends the process with a message, so a
+# server that tried to join a TPU cluster dies instead of waiting for peers.
+_NO_CLUSTER = (
+  "import sys, jax, jax.distributed\n"
+  "def joined(*a, **k):\n"
+  "  print('jax.distributed.initialize was called', flush=True); sys.exit(7)\n"
+  "jax.distributed.initialize = joined\n"
+  "from asearcher_jax import main\n"
+  "sys.exit(main.main(sys.argv[1:]))\n"
+)
+
+
+def test_serve_retrieval_on_a_tpu_worker_never_joins_the_cluster(tmp_path: Path) -> None:
+  """As launched on trainer worker 0: the TPU worker's and jax.distributed's environment set
+  (pointing at a coordinator nobody serves), the server still comes up on the CPU platform and
+  answers, and never calls jax.distributed.initialize."""
+  addr_dir = tmp_path / "addrs"
+  env = {
+    **os.environ, "ASEARCHER_HOME": str(tmp_path / "home"), "JAX_PLATFORMS": "tpu,cpu",
+    "JAX_COORDINATOR_ADDRESS": "127.0.0.1:9", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "0",
+    "TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5",
+  }  # fmt: skip
+  proc = subprocess.Popen(
+    [sys.executable, "-c", _NO_CLUSTER, "serve-retrieval",
+     "--gin_param=server.RetrievalServerConfig.port=0",
+     f"--gin_param=server.RetrievalServerConfig.addr_dir='{addr_dir}'"],
+    cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+  )  # fmt: skip
+  try:
+    address = _announced_address(proc, addr_dir)
+    req = urllib.request.Request(
+      f"http://{address}/retrieve",
+      data=json.dumps({"queries": ["Teutberga"], "topk": 1}).encode(),
+      headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+      assert json.loads(resp.read())["result"][0][0]["title"] == "Teutberga"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert "jax.distributed.initialize was called" not in proc.stdout.read()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(timeout=10)
