@@ -447,8 +447,15 @@ class Transformer(nnx.Module):
         valid = jnp.arange(tokens.shape[1])[None, :] < write_len[:, None]
       page, offset = kv_lib.page_coordinates(table, positions, valid, cache.page_size)
       # The gather reads the window's pages; ragged attention reads each row's own length only,
-      # which for a padded suffix may pass the window (query positions follow from the length).
-      read = table[:, : -(-n // cache.page_size)] if cache.attention == "gather" else table
+      # which for a padded suffix may pass the window and even the context (query positions
+      # follow from the length: clipping it would move every query back). So the ragged table
+      # runs on over null pages far enough to address a padded bucket at the context's end:
+      # only padding queries read there, and padding writes nowhere.
+      if cache.attention == "gather":
+        read = table[:, : -(-n // cache.page_size)]
+      else:
+        pad = -(-tokens.shape[1] // cache.page_size)
+        read = jnp.pad(table, ((0, 0), (0, pad)), constant_values=kv_lib.NULL_PAGE)
       lengths = jnp.minimum(start + tokens.shape[1], read.shape[1] * cache.page_size)
       view = PageView(page, offset, read, lengths.astype(jnp.int32), cache.attention, cache.mesh)
       rows = None  # the table rows already select the pages

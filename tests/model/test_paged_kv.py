@@ -121,3 +121,29 @@ def test_combined_pools_interleave_keys_and_values_and_repeat_heads():
   keys, values = kv_lib.paged_gather(pool, jnp.asarray([[1, 2]]))
   np.testing.assert_array_equal(np.asarray(keys[0, 3]), got[0::2])
   np.testing.assert_array_equal(np.asarray(values[0, 3]), got[1::2])
+
+
+@nnx.jit(static_argnums=4)
+def _extend_at(model, tokens, start, cache, attend_len, write_len=None):
+  return model.extend(tokens, start, cache, attend_len, write_len=write_len)
+
+
+@READS
+def test_a_padded_suffix_at_the_context_limit_attends_from_its_own_positions(attention, repeat):
+  """A suffix whose padded bucket runs past the context (start 28 + 8 > 32 positions): its real
+  tokens must sit at 28, 29, 30 and attend what a fixed cache's continuation attends. (The
+  ragged program once clipped the length to the table, which moved every query back.)"""
+  cfg = small_cfg(vocab_size=101)
+  model = _model(cfg, seed=6)
+  prompt = jnp.asarray(np.random.default_rng(3).integers(1, 100, (1, 28)))
+  suffix = jnp.asarray([[7, 9, 11, 0, 0, 0, 0, 0]])  # three real tokens padded to a bucket of 8
+  zero, at = jnp.zeros((1,), jnp.int32), jnp.asarray([28], jnp.int32)
+  fixed = KVCache.init(cfg, batch=1, max_len=MAX_LEN + 8)  # room for the pad: the oracle
+  _, fixed = _extend_at(model, prompt, zero, fixed, MAX_LEN + 8)
+  want, _ = _extend_at(model, suffix, at, fixed, MAX_LEN + 8)
+  paged = PagedKVCache.init(cfg, slots=1, num_pages=1 + PAGES_PER_SEQ, page_size=PAGE,
+                            pages_per_seq=PAGES_PER_SEQ, attention=attention, repeat=repeat)  # fmt: skip
+  paged = paged.replace(page_table=jnp.arange(1, 1 + PAGES_PER_SEQ, dtype=jnp.int32)[None])
+  _, paged = _extend_at(model, prompt, zero, paged, MAX_LEN)
+  got, _ = _extend_at(model, suffix, at, paged, MAX_LEN, jnp.asarray([3]))
+  np.testing.assert_allclose(got[:, :3], want[:, :3], atol=1e-5)
