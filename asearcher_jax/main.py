@@ -50,6 +50,10 @@ SUBCOMMANDS: dict[str, str] = {
   "sweep": "asearcher_jax.apps.sweep:sweep",
 }
 
+# Commands that take another subcommand's whole command line: `asearcher rehearse --topology
+# SLICE serve-model ...` configures that role as it would run and compiles its programs instead.
+WRAPPERS = {"rehearse": "compile a role's programs for its TPU slice, as the role builds them"}
+
 # Subcommands that need no accelerator: JAX runs on the CPU platform and the process never joins
 # a multi-process program, whatever the environment says. On a pod the retrieval server runs on
 # trainer worker 0 beside the trainer, which owns the chips and the slice's jax.distributed: a
@@ -90,6 +94,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
   from asearcher_jax.apps import cli_help
 
   lines = [f"  {name:16} {cli_help.summary(target)}" for name, target in SUBCOMMANDS.items()]
+  lines += [f"  {name:16} {summary}" for name, summary in WRAPPERS.items()]
   parser = argparse.ArgumentParser(
     prog="asearcher",
     description="asearcher_jax: train and evaluate LLM search agents with asynchronous RL.",
