@@ -22,6 +22,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 from asearcher_jax.apps import gin_config
 from asearcher_jax.errors import AsearcherError
@@ -194,18 +195,25 @@ def rehearse_roles(
   `programs` says (all, largest, arguments). Returns role -> its report (or {"error": ...})."""
   argvs = role_argvs(layout)
   jobs = [{"topology": topologies[r], "programs": programs, "argv": a} for r, a in argvs.items()]
-  try:
-    out = subprocess.run(
-      [sys.executable, "-m", "asearcher_jax.main", "rehearse", "--each"], cwd=REPO,
-      input="".join(json.dumps(j) + "\n" for j in jobs), capture_output=True, text=True,
-      timeout=timeout_s,
-    )  # fmt: skip
-  except subprocess.TimeoutExpired:
-    raise SpecError(f"rehearsing the roles took over {timeout_s:.0f} s") from None
-  reports = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-  if len(reports) != len(jobs):
-    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-    raise SpecError(f"rehearsing the roles failed: {last}")
+  # Without compiles one process checks every role in seconds; a compile of a 32B model's
+  # programs holds ~10-20 GB of host memory, released only with its process: one a role.
+  batches = [jobs] if programs == "arguments" else [[j] for j in jobs]
+  reports = []
+  deadline = time.monotonic() + timeout_s
+  for batch in batches:
+    try:
+      out = subprocess.run(
+        [sys.executable, "-m", "asearcher_jax.main", "rehearse", "--each"], cwd=REPO,
+        input="".join(json.dumps(j) + "\n" for j in batch), capture_output=True, text=True,
+        timeout=max(deadline - time.monotonic(), 1.0),
+      )  # fmt: skip
+    except subprocess.TimeoutExpired:
+      raise SpecError(f"rehearsing the roles took over {timeout_s:.0f} s") from None
+    got = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    if len(got) != len(batch):
+      last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+      raise SpecError(f"rehearsing the roles failed: {last}")
+    reports += got
   return dict(zip(argvs, reports, strict=True))
 
 
