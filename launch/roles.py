@@ -210,6 +210,12 @@ def rehearse_roles(
     except subprocess.TimeoutExpired:
       raise SpecError(f"rehearsing the roles took over {timeout_s:.0f} s") from None
     got = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode < 0 and len(batch) == 1 and not got:  # killed: most likely the kernel's OOM
+      got = [{
+        "topology": batch[0]["topology"], "fits": False,
+        "error": f"the rehearsal was killed by signal {-out.returncode} while compiling (out of "
+        "this host's memory? a TPU VM host has far more)",
+      }]  # fmt: skip
     if len(got) != len(batch):
       last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
       raise SpecError(f"rehearsing the roles failed: {last}")
