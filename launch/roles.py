@@ -228,7 +228,7 @@ def refusal(reports: dict[str, dict]) -> str | None:
   the rehearsal refused, or a program too big for its chip), or None when every role fits."""
   for role, r in reports.items():
     if "error" in r:
-      return f"the {role} role's configuration: {r['error']}"
+      return f"the {role} role: {r['error']}"
     if not r["fits"]:
       what = r.get("largest_program") or "a program"
       need = r.get("hbm_gib_per_chip_max")
