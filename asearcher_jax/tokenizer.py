@@ -1,13 +1,18 @@
-"""Tokenizer: Hugging Face `tokenizers` for Qwen-family BPE, the ChatML chat format, stop tokens.
+"""Tokenizer: Hugging Face `tokenizers` for Qwen-family BPE, the chat format, stop tokens.
 
 Loads `tokenizer.json` when the directory has one, else builds the Qwen2 byte-level BPE from
-`vocab.json` + `merges.txt` (the pre-tokenizer regex and normaliser Qwen2 ships). The chat format
-is written out here rather than rendered from a Jinja template: agents build contexts by
-concatenating token ids, so the exact bytes of every role header must be fixed and testable.
+`vocab.json` + `merges.txt` (the pre-tokenizer regex and normaliser Qwen2 ships). A model's
+chat format is its own: where its tokenizer_config.json has a `chat_template`, a chat is rendered
+by that Jinja template as transformers' `apply_chat_template` renders it (QwQ-32B's opens the
+assistant turn with `<think>\n` and has no default system prompt; Qwen2.5's has one), so the
+policy sees the prompt it was trained on. Without one (the packaged vocabulary, the tiny test
+policies) the ChatML written out below is used: agents build later turns by concatenating token
+ids, so the exact bytes of every role header must be fixed and testable either way.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -64,8 +69,17 @@ def _added_tokens(tok_dir: Path) -> dict[str, int]:
 class Tokenizer:
   """Encode/decode text and chats; knows the special and stop tokens."""
 
-  def __init__(self, tok: HFTokenizer, *, eos_token: str = IM_END, pad_token: str = ENDOFTEXT):
+  def __init__(
+    self,
+    tok: HFTokenizer,
+    *,
+    eos_token: str = IM_END,
+    pad_token: str = ENDOFTEXT,
+    chat_template: str | None = None,
+  ):
     self._tok = tok
+    # The model's own Jinja chat template (tokenizer_config.json); None: the ChatML below.
+    self.chat_template = chat_template
     self.eos_token = eos_token
     self.eos_id = self._require_id(eos_token)
     self.pad_id = self._require_id(pad_token)
@@ -74,8 +88,9 @@ class Tokenizer:
     self.endoftext_id = tok.token_to_id(ENDOFTEXT)
 
   @classmethod
-  def from_dir(cls, path: str | Path) -> Tokenizer:
-    """From tokenizer.json, or vocab.json + merges.txt (+ added_tokens.json/tokenizer_config)."""
+  def from_dir(cls, path: str | Path, *, chat_template: bool = True) -> Tokenizer:
+    """From tokenizer.json, or vocab.json + merges.txt (+ added_tokens.json/tokenizer_config);
+    the chat template of tokenizer_config.json unless `chat_template` is False."""
     tok_dir = Path(path)
     if not tok_dir.is_dir():
       raise TokenizerError(f"tokenizer directory {str(tok_dir)!r} does not exist")
@@ -94,18 +109,20 @@ class Tokenizer:
       tok = _build_bpe(tok_dir / "vocab.json", tok_dir / "merges.txt")
     specials = _added_tokens(tok_dir)
     _add_specials(tok, specials)
-    eos, pad = IM_END, ENDOFTEXT
+    eos, pad, template = IM_END, ENDOFTEXT, None
     cfg = tok_dir / "tokenizer_config.json"
     if cfg.is_file():
       conf = json.loads(cfg.read_text())
       eos = _token_text(conf.get("eos_token")) or eos
       pad = _token_text(conf.get("pad_token")) or pad
-    return cls(tok, eos_token=eos, pad_token=pad)
+      template = _default_template(conf.get("chat_template")) if chat_template else None
+    return cls(tok, eos_token=eos, pad_token=pad, chat_template=template)
 
   @classmethod
   def qwen2(cls) -> Tokenizer:
-    """The Qwen2/Qwen2.5 vocabulary shipped with the package."""
-    return cls.from_dir(PACKAGED_QWEN2)
+    """The Qwen2/Qwen2.5 vocabulary shipped with the package (a vocabulary, not a model: the
+    ChatML format, which the shipped warm starts were trained on)."""
+    return cls.from_dir(PACKAGED_QWEN2, chat_template=False)
 
   def _require_id(self, token: str) -> int:
     idx = self._tok.token_to_id(token)
@@ -151,6 +168,8 @@ class Tokenizer:
     self._tok.save(str(out / "tokenizer.json"))
     pad = self._tok.id_to_token(self.pad_id)
     conf = {"eos_token": self.eos_token, "pad_token": pad}
+    if self.chat_template is not None:
+      conf["chat_template"] = self.chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
     return out
 
@@ -161,9 +180,15 @@ class Tokenizer:
     add_generation_prompt: bool = True,
     default_system: str | None = DEFAULT_SYSTEM,
   ) -> str:
-    """ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then an opened
-    assistant turn. A default system message is prepended when none is given (Qwen's template
-    does the same); pass default_system=None to omit it."""
+    """The model's chat template rendered (`render_chat_template`; `default_system` is then the
+    template's business), else ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
+    message, then an opened assistant turn, a default system message prepended when none is
+    given (Qwen2's template does the same; default_system=None omits it)."""
+    if self.chat_template is not None:
+      return render_chat_template(
+        self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        eos_token=self.eos_token,
+      )  # fmt: skip
     parts = []
     if default_system is not None and (not messages or messages[0]["role"] != "system"):
       parts.append(f"{IM_START}system\n{default_system}{IM_END}\n")
@@ -177,6 +202,54 @@ class Tokenizer:
 
   def encode_chat(self, messages: Sequence[Mapping[str, str]], **kwargs) -> list[int]:
     return self.encode(self.format_chat(messages, **kwargs))
+
+
+def _default_template(value) -> str | None:
+  """tokenizer_config.json's chat_template: a string, or a list of named ones ("default")."""
+  if isinstance(value, list):
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    value = named.get("default")
+  return value if isinstance(value, str) and value.strip() else None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+  """A chat template compiled as transformers compiles it: a sandboxed environment with
+  trim_blocks and lstrip_blocks, loop controls, `raise_exception` and a `tojson` filter that
+  keeps non-ASCII text."""
+  from jinja2.ext import loopcontrols
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  def raise_exception(message: str):
+    raise TokenizerError(f"the chat template refused the messages: {message}")
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[loopcontrols])  # fmt: skip
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  return env.from_string(source)
+
+
+def render_chat_template(
+  source: str,
+  messages: Sequence[Mapping[str, str]],
+  *,
+  add_generation_prompt: bool = True,
+  eos_token: str = IM_END,
+) -> str:
+  """A model's Jinja chat template rendered for `messages` (the text transformers'
+  `apply_chat_template(..., tokenize=False)` gives)."""
+  for m in messages:
+    if m["role"] not in ("system", "user", "assistant", "tool"):
+      raise ValueError(f"unknown chat role {m['role']!r}")
+  return _compiled_template(source).render(
+    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+    eos_token=eos_token, bos_token=None, tools=None,
+  )  # fmt: skip
 
 
 def _token_text(value) -> str | None:
