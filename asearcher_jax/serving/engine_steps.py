@@ -166,6 +166,14 @@ def _insert_many(prefixes: Prefix, state: DecodeState, slots) -> DecodeState:
   return state
 
 
+def _idle_start(cache: KVCache | PagedKVCache) -> int:
+  """Where a row that decodes nothing this step sits. Paged: position 0, writing nothing
+  (write_len 0), so the ragged program reads one position of it instead of a whole context (an
+  idle row at the last position made every free slot of a 512-slot replica attend 32k positions
+  each step). Fixed: the last position, the scratch token's (never part of a parked prefix)."""
+  return 0 if isinstance(cache, PagedKVCache) else cache.max_len - 1
+
+
 def _generate(
   graphdef,
   attend_len: int,
@@ -176,10 +184,10 @@ def _generate(
   top_n: int = 0,
 ):
   model: Transformer = nnx.merge(graphdef, params.state)
-  # Live slots stay inside the window (the caller's max_length says so). Inactive slots write at
-  # the cache's last position (never part of a parked prefix: prompt + tokens < max_seq_len);
-  # their queries attend the whole window and their samples are discarded.
-  last = state.cache.max_len - 1
+  # Live slots stay inside the window (the caller's max_length says so). Inactive slots sit at
+  # `_idle_start` (paged: position 0, writing nothing; fixed: the cache's last position, never
+  # part of a parked prefix) and their samples are discarded.
+  last = _idle_start(state.cache)
   start = jnp.where(state.active, jnp.minimum(state.lengths, attend_len - 1), last)
   logits, cache = model.extend(
     state.next_tokens[:, None], start, state.cache, attend_len,
@@ -224,7 +232,7 @@ def _generate_rows(
   decode, the rest pad the step to R and are treated as inactive). Every other slot is untouched.
   Returns the same [S]-row result as _generate: rows not computed carry no valid token."""
   model: Transformer = nnx.merge(graphdef, params.state)
-  last = state.cache.max_len - 1
+  last = _idle_start(state.cache)
   active = state.active[rows] & live
   start = jnp.where(active, jnp.minimum(state.lengths[rows], attend_len - 1), last)
   logits, cache = model.extend(
@@ -277,7 +285,7 @@ def _decode_chunk(graphdef, attend_len: int, mode: SamplingMode, max_steps: int,
   model: Transformer = nnx.merge(graphdef, params.state)
   rows, n_slots = plan.rows, state.lengths.shape[0]
   every = rows.shape[0] == n_slots  # static: no gather, row i is slot i
-  last = state.cache.max_len - 1
+  last = _idle_start(state.cache)
   run = state.active[rows] & plan.live & (plan.budget > 0)
   keys, temp = state.keys[rows], state.temperature[rows]
   top_p, top_k = state.top_p[rows], state.top_k[rows]

@@ -108,3 +108,34 @@ def test_the_engines_decode_step_compiles_for_v5p_with_the_ragged_kernel():
     window=128,
   )  # fmt: skip
   assert not gather["kernel_in_program"] and gather["fits"]
+
+
+def test_idle_slots_attend_nothing_on_the_ragged_path(monkeypatch):
+  """A decode step over every slot with one live: the ragged program is handed the live slot's
+  length and one position for each idle slot (it once handed them the whole context each)."""
+  from asearcher_jax.model import ragged_paged
+  from asearcher_jax.serving import engine_steps
+  from asearcher_jax.serving.engine import Engine
+  from asearcher_jax.tokenizer import Tokenizer
+
+  cfg = EngineConfig(max_slots=4, max_seq_len=64, prefill_buckets=(16,), kv_layout="paged",
+                     page_size=4, paged_attention="ragged_reference")  # fmt: skip
+  eng = Engine.from_model(tiny_model(seed=1), Tokenizer.qwen2(), cfg)
+  params, state = eng.load_params(), eng.init_decode_state()
+  table = np.zeros((4, cfg.pages_per_seq), np.int32)
+  table[0, :4] = [1, 2, 3, 4]
+  state = eng.set_page_table(state, table)
+  prefix = eng.prefill_many(params=params, prompts=[[5, 6, 7, 8, 9]],
+                            samplings=[SamplingParams(temperature=0.0)], seeds=[0])  # fmt: skip
+  state = eng.insert_many(prefix, state, [0])
+  seen = []
+  attention = ragged_paged.attention
+
+  def record(q, pool, lengths, *args, **kwargs):
+    seen.append(np.asarray(lengths))
+    return attention(q, pool, lengths, *args, **kwargs)
+
+  monkeypatch.setattr(ragged_paged, "attention", record)
+  with jax.disable_jit():
+    engine_steps._generate(eng._graphdef, cfg.max_seq_len, "greedy", params, state)
+  assert seen and all(list(x) == [6, 1, 1, 1] for x in seen)  # 5 cached + the fed token
