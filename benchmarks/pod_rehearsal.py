@@ -15,7 +15,9 @@ all_fit.
 Programs: POD_REHEARSAL_PROGRAMS = "largest" (default: the largest program of each engine step
 and the trainer's two programs, what decides the fit: ~10 minutes a spec here) or "all" (every
 warm-up program: the cold start, hours on 2 cores for a 7B replica) or "arguments" (no compile:
-weights, caches and train state per chip, seconds). POD_REHEARSAL_SPECS: comma-separated spec
+weights, caches and train state per chip, seconds). Each role runs in its own process; a role
+whose compiles need more memory than this host has (a 14B or 32B replica's 32k-token programs:
+more than 24 GB) is reported with `compile_error` and its compile-free figures. POD_REHEARSAL_SPECS: comma-separated spec
 names to limit the run. The last line is one JSON object.
 """
 
@@ -30,34 +32,58 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # launch/ (not installed: the repository's own)
 SPECS = sorted(p for p in (REPO / "launch" / "specs").glob("*.toml") if p.stem != "local_tiny")
 TIMEOUT_S = float(os.environ.get("POD_REHEARSAL_TIMEOUT_S", 7200))
 KEEP = (
   "topology", "mesh", "chips", "programs_warmed", "programs_compiled", "hbm_gib_per_chip_max",
   "hbm_gib_per_chip", "largest_program", "fits", "compile_s_total", "kv_heads_per_chip",
-  "mesh_is_slice", "remat_policy", "error",
+  "mesh_is_slice", "remat_policy", "error", "compile_error", "programs",
+  "arguments_gib_per_chip", "program_reports",
 )  # fmt: skip
 
 
-def rehearse(spec: Path, programs: str) -> dict:
-  t0 = time.perf_counter()
-  cmd = [sys.executable, "-m", "launch", "rehearse", "--spec", str(spec), "--programs", programs]
+def rehearse_role(job: dict) -> dict:
+  """One role rehearsed in its own process (`asearcher rehearse --each`), its report, or the
+  reason it has none."""
+  cmd = [sys.executable, "-m", "asearcher_jax.main", "rehearse", "--each"]
   try:
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(cmd, cwd=REPO, input=json.dumps(job) + "\n", capture_output=True,
+                       text=True, timeout=TIMEOUT_S)  # fmt: skip
   except subprocess.TimeoutExpired:
-    return {"error": f"did not finish in {TIMEOUT_S:.0f} s", "all_fit": None}
+    return {"error": f"did not finish in {TIMEOUT_S:.0f} s", "fits": None}
   lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-  if not lines:
-    last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
-    return {"error": last, "all_fit": False}
-  report = json.loads(lines[-1])
-  roles = {
-    name: {k: v for k, v in role.items() if k in KEEP} for name, role in report["roles"].items()
-  }
+  if lines:
+    return json.loads(lines[-1])
+  if r.returncode < 0:
+    return {"error": f"killed by signal {-r.returncode} (this host's memory)", "fits": None}
+  return {"error": (r.stderr.strip().splitlines() or ["no report"])[-1], "fits": None}
+
+
+def rehearse(spec_path: Path, programs: str) -> dict:
+  """Every role of a spec as `python -m launch rehearse` rehearses it, one process a role; a
+  role whose compiles do not fit this host's memory (a 14B or 32B model's 32k-token programs
+  need more than 24 GB to compile) is rehearsed again without compiling (`arguments`), and says
+  so."""
+  from launch import gcloud, roles
+  from launch import spec as spec_lib
+
+  t0 = time.perf_counter()
+  spec = spec_lib.load(str(spec_path))
+  layout = gcloud.layout(spec)
+  topologies = gcloud.topologies(spec)
+  out: dict = {}
+  for role, argv in roles.role_argvs(layout).items():
+    job = {"topology": topologies[role], "programs": programs, "argv": argv}
+    report = rehearse_role(job)
+    if report.get("fits") is None and programs != "arguments":  # killed: the compile-free figure
+      fallback = rehearse_role({**job, "programs": "arguments"})
+      report = {**fallback, "compile_error": report["error"]}
+    out[role] = {k: v for k, v in report.items() if k in KEEP}
   return {
-    "experiment": report["experiment"],
-    "roles": roles,
-    "all_fit": report["all_fit"],
+    "experiment": spec.experiment,
+    "roles": out,
+    "all_fit": roles.refusal(out) is None,
     "wall_s": round(time.perf_counter() - t0, 1),
   }
 
