@@ -17,7 +17,8 @@ and the trainer's two programs, what decides the fit: ~10 minutes a spec here) o
 warm-up program: the cold start, hours on 2 cores for a 7B replica) or "arguments" (no compile:
 weights, caches and train state per chip, seconds). Each role runs in its own process; a role
 whose compiles need more memory than this host has (a 14B or 32B replica's 32k-token programs:
-more than 24 GB) is reported with `compile_error` and its compile-free figures. POD_REHEARSAL_SPECS: comma-separated spec
+more than 24 GB) is reported with `compile_error` and its compile-free figures;
+POD_REHEARSAL_PROGRAMS_SERVING (or _TRAINER, _RETRIEVAL) sets one role's mode. POD_REHEARSAL_SPECS: comma-separated spec
 names to limit the run. The last line is one JSON object.
 """
 
@@ -74,9 +75,10 @@ def rehearse(spec_path: Path, programs: str) -> dict:
   topologies = gcloud.topologies(spec)
   out: dict = {}
   for role, argv in roles.role_argvs(layout).items():
-    job = {"topology": topologies[role], "programs": programs, "argv": argv}
+    mode = os.environ.get(f"POD_REHEARSAL_PROGRAMS_{role.upper()}", programs)
+    job = {"topology": topologies[role], "programs": mode, "argv": argv}
     report = rehearse_role(job)
-    if report.get("fits") is None and programs != "arguments":  # killed: the compile-free figure
+    if report.get("fits") is None and mode != "arguments":  # killed: the compile-free figure
       fallback = rehearse_role({**job, "programs": "arguments"})
       report = {**fallback, "compile_error": report["error"]}
     out[role] = {k: v for k, v in report.items() if k in KEEP}
