@@ -23,9 +23,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from asearcher_jax import storage
 from asearcher_jax.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+storage.gcs_without_listing_cache()  # every trainer process writes its own parts of a step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

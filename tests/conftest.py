@@ -9,7 +9,9 @@ instead of once per process, as an operator's restarts would.
 """
 
 import atexit
+import itertools
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -107,3 +109,23 @@ def tiny_run(tmp_path_factory) -> Path:
   timings = make_tiny_run(root)
   print(f"tiny run built: {timings}")
   return root
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+  """A local GCS emulator for this test process, with every storage client pointed at it
+  (tests/gcs_emulator.py); stopped at the end of the session."""
+  from tests import gcs_emulator
+
+  with gcs_emulator.running() as emulator:
+    yield emulator
+
+
+_buckets = itertools.count()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator, request) -> str:
+  """A fresh bucket on the session's emulator, as its gs:// URL (`gs://t<n>-<test name>`)."""
+  stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")
+  return gcs_emulator.create_bucket(f"t{next(_buckets)}-{stem}"[:63].rstrip("-"))

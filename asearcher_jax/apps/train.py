@@ -252,9 +252,13 @@ def build_run(
       remote_cfg.address_files, remote_cfg.weights_dir, graphdef,
       client=client_cfg, sync=remote_cfg.sync,
     )  # fmt: skip
-  replay = ReplayQueue(
-    config.replay_config(str(run / "replay")), on_discard=lambda g: staleness.on_discard()
-  )
+  if config.journal_dir is None:
+    replay_cfg = config.replay_config(str(run / "replay"))
+  else:  # appended locally, shipped to the run directory
+    replay_cfg = dataclasses.replace(
+      config.replay_config(str(Path(config.journal_dir) / "replay")), ship_to=str(run / "replay")
+    )
+  replay = ReplayQueue(replay_cfg, on_discard=lambda g: staleness.on_discard())
   toolbox = wiring.toolbox(
     config.tools, view=wiring.agent_view(agent_cfg), addr_dir=run / RETRIEVAL_ADDRS
   )

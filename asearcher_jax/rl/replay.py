@@ -9,6 +9,13 @@ Every append is flushed and fsync'd before `push`/`commit` returns. Reopening re
 pushed groups whose id was never committed come back in their original order, committed ones
 never again. A torn last record (crash mid-write) is detected by its length/crc and cut off.
 
+With `ship_to` (a run directory on a bucket: a gs:// URL or a bucket mount) the logs are still
+appended on local disk (`directory`), and shipped there in whole objects (`storage.ShippedJournal`:
+sealed segments, never appended to) at every `commit` and `sync` (the trainer syncs before each
+checkpoint); reopening where the local logs are gone (a restarted VM) rebuilds them from the
+segments, so the queue comes back as it was at the last shipment. Appending on a bucket mount would
+re-upload the whole object at every flush.
+
 Consumption is two-phase so a crash cannot lose or double-train a group: `take` leases groups
 (in memory only) and `commit(ids)` makes their consumption durable. Call `commit` once the
 parameters trained on them are durable (after the step's checkpoint), or set
@@ -37,6 +44,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from asearcher_jax import storage
 from asearcher_jax.agent.trajectory import PER_TOKEN_FIELDS, TrainingSequence, Trajectory
 
 _HEADER = struct.Struct("<II")  # payload length, crc32
@@ -50,6 +58,8 @@ class ReplayConfig:
   capacity: most groups held (pending + leased); `push` waits for room up to its timeout.
   directory: where the logs live; None keeps the queue in memory only (tests, sync runs).
   fsync: fsync every append (off only for throwaway runs on slow disks).
+  ship_to: where the logs are shipped in sealed segments (module docstring); None: `directory`
+    alone holds them.
   commit_on_take: make consumption durable at `take` instead of at an explicit `commit`.
   length_buckets: upper edges (tokens per trajectory) of the diagnostic buckets; one more bucket
     holds everything longer.
@@ -63,6 +73,7 @@ class ReplayConfig:
   capacity: int = 1024
   directory: str | None = None
   fsync: bool = True
+  ship_to: str | None = None
   commit_on_take: bool = False
   length_buckets: tuple[int, ...] = (1024, 4096, 16384)
   compact_after: int = 256
@@ -75,6 +86,8 @@ class ReplayConfig:
       b <= 0 for b in self.length_buckets
     ):
       raise ValueError(f"length_buckets must be positive and increasing: {self.length_buckets}")
+    if self.ship_to is not None and self.directory is None:
+      raise ValueError("ship_to needs a local directory to append the logs in")
     if self.compact_after < 0:
       raise ValueError(f"compact_after must be >= 0, got {self.compact_after}")
     if self.max_head_staleness is not None and self.max_head_staleness < 0:
@@ -278,6 +291,7 @@ class ReplayQueue:
     self._leased: dict[str, Group] = {}
     self._buckets = [_BucketStats() for _ in range(len(config.length_buckets) + 1)]
     self._groups_file = self._consumed_file = None
+    self._shipped: list[storage.ShippedJournal] = []  # groups first: a consumed id needs its group
     if config.directory is not None:
       self._open(Path(config.directory))
 
@@ -286,6 +300,13 @@ class ReplayQueue:
   def _open(self, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     groups_path, consumed_path = directory / GROUPS_LOG, directory / CONSUMED_LOG
+    if self.config.ship_to is not None:
+      self._shipped = [
+        storage.ShippedJournal(directory / name, self.config.ship_to, name=name)
+        for name in (GROUPS_LOG, CONSUMED_LOG)
+      ]
+      for journal in self._shipped:
+        journal.open()
     records, good = _read_records(groups_path)
     consumed = _read_consumed(consumed_path)
     # Cut torn tails so that new appends start on a clean record / line.
@@ -322,6 +343,8 @@ class ReplayQueue:
     with open(directory / CONSUMED_LOG, "w", encoding="utf-8") as f:
       f.flush()
       os.fsync(f.fileno())
+    for journal in self._shipped:
+      journal.rebase()
 
   def _append(self, f, data: bytes) -> None:
     f.write(data)
@@ -329,7 +352,18 @@ class ReplayQueue:
     if self.config.fsync:
       os.fsync(f.fileno())
 
+  def sync(self) -> int:
+    """Ships what the logs gained since the last shipment (with `ship_to`; else nothing);
+    returns the bytes shipped."""
+    with self._cond:
+      return self._ship_locked()
+
+  def _ship_locked(self) -> int:
+    return sum(journal.ship() for journal in self._shipped)
+
   def close(self) -> None:
+    if self._groups_file is not None:
+      self.sync()
     for f in (self._groups_file, self._consumed_file):
       if f is not None:
         f.close()
@@ -439,6 +473,7 @@ class ReplayQueue:
       if self._consumed_file is not None:
         line = json.dumps({"ids": list(group_ids), "t": time.time()}) + "\n"
         self._append(self._consumed_file, line.encode("utf-8"))
+        self._ship_locked()
       for i in group_ids:
         del self._leased[i]
       self._cond.notify_all()

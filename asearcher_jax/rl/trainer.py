@@ -402,6 +402,8 @@ class Trainer:
       "staleness": self.staleness.state_dict() if self.staleness is not None else None,
       "rollout": self._rollout_state(),
     }
+    if self.replay is not None:  # after the rollout state: a group queued since is in both
+      self.replay.sync()  # shipped logs (a bucket) hold every group the checkpoint counts queued
     self.checkpointer.save(version, {"train_state": self.learner.state, "meta": meta}, force=True)
     self._saving, self._uncommitted = self._uncommitted, []
     if self.config.blocking_checkpoints:

@@ -50,12 +50,13 @@ from etils import epath
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from asearcher_jax import distributed
+from asearcher_jax import distributed, storage
 from asearcher_jax.errors import CheckpointError
 from asearcher_jax.model.config import ModelConfig, from_hf_config, to_hf_config
 from asearcher_jax.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
+storage.gcs_without_listing_cache()  # readers and writers are different processes
 
 LATEST = "LATEST"
 COMMITTED = "COMMITTED"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -70,10 +71,17 @@ TINY = ModelConfig(
 
 
 def build(
-  run_dir: Path, tok_dir: Path, *, eta: int, steps: int, remote: RemoteEnginesConfig | None = None
+  run_dir: Path,
+  tok_dir: Path,
+  *,
+  eta: int,
+  steps: int,
+  remote: RemoteEnginesConfig | None = None,
+  journal_dir: Path | None = None,
 ) -> commands.TrainRun:
   config = TrainConfig(
     train_steps=steps, batch_timeout_s=240,
+    journal_dir=None if journal_dir is None else str(journal_dir),
     staleness=StalenessConfig(batch_groups=1, max_staleness=eta, max_concurrent=2),
     engine=EngineConfig(max_slots=4, max_seq_len=2048, prefill_buckets=(1024,)),
     driver=DriverConfig(request_timeout_s=600.0),
@@ -121,14 +129,22 @@ def check_history(history: list[dict[str, float]], eta: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("journals", ["in_run_dir", "shipped"])
 def test_async_training_resumes_without_losing_or_repeating_groups(
   tmp_path,
   byte_tok_dir,
   shipped_index_dir,  # noqa: F811
+  journals,
 ):
+  """ "shipped": the replay logs are appended on each life's own local disk (a pod's VM, lost at
+  the restart) and shipped to the run directory (a bucket mount); the second life rebuilds them
+  from there."""
   run_dir = tmp_path / "run"
+  shipped = journals == "shipped"
+  local = [tmp_path / f"vm{i}" if shipped else None for i in (1, 2)]
+  logs = [run_dir / "replay" if d is None else d / "replay" for d in local]
   # --- first life: 3 steps with eta = 1 ------------------------------------------------------
-  run = build(run_dir, byte_tok_dir, eta=1, steps=3)
+  run = build(run_dir, byte_tok_dir, eta=1, steps=3, journal_dir=local[0])
   try:
     assert run.start(retrieval_index_dir=str(shipped_index_dir)) is None  # fresh
     run.trainer.run()
@@ -146,9 +162,12 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
   assert updates1 == 3 and driver1["version"] == 3 and driver1["requests_failed"] == 0
   assert rollout1["rollout/groups_accepted"] >= 3 and rollout1["rollout/trajectories"] >= 6
   assert retrieval_requests["error"] == 0  # the server ran beside the agents, untroubled
-  pushed, committed, discarded = replay_logs(run_dir / "replay")
+  pushed, committed, discarded = replay_logs(logs[0])
   assert committed == trained1  # trained <=> committed after its checkpoint, once
-  queued = pending_on_disk(run_dir / "replay")
+  queued = pending_on_disk(logs[0])
+  if shipped:  # nothing appended in the run directory: sealed segments only
+    assert not (run_dir / "replay" / "groups.log").exists()
+    shutil.rmtree(local[0])
   assert sorted(pushed) == sorted(committed + discarded + queued)  # nothing vanished
 
   # The checkpoint holds the episodes in flight at step 3, with what they had generated so far.
@@ -160,7 +179,7 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
   ) + sum(len((e["partial"] or {"tokens": ()})["tokens"]) for g in inflight for e in g["episodes"])
 
   # --- second life: new objects, same run directory, 2 more steps ------------------------------
-  run2 = build(run_dir, byte_tok_dir, eta=1, steps=5)
+  run2 = build(run_dir, byte_tok_dir, eta=1, steps=5, journal_dir=local[1])
   try:
     assert run2.start(retrieval_index_dir=str(shipped_index_dir)) == 3
     assert run2.learner.version == 3 and run2.driver.version == 3 and run2.staleness.version == 3
@@ -174,16 +193,16 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
   trained2 = [i for step in run2.trainer.trained_ids for i in step]
   assert run2.learner.version == 5 and not set(trained1) & set(trained2)
   check_history(run2.trainer.history, eta=1)
-  pushed, committed, discarded2 = replay_logs(run_dir / "replay")
+  pushed, committed, discarded2 = replay_logs(logs[1])
   # Survivors first, oldest first; a survivor that became too stale while the run was down is
   # discarded by the hard eta bound (timing-dependent), never trained late.
   survivors = [g for g in queued if g not in set(discarded2) - set(discarded)]
   assert trained2[: len(survivors)] == survivors[: len(trained2)]
   discarded = discarded2
   assert committed == trained1 + trained2 and len(set(committed)) == len(committed)
-  assert sorted(pushed) == sorted(committed + discarded + pending_on_disk(run_dir / "replay"))
+  assert sorted(pushed) == sorted(committed + discarded + pending_on_disk(logs[1]))
   assert len(pushed) == len(set(pushed))  # no item's group was generated twice
-  check_token_versions(run_dir / "replay", committed, eta=1)
+  check_token_versions(logs[1], committed, eta=1)
   metrics = [
     json.loads(x) for x in (run_dir / "metrics" / "metrics.jsonl").read_text().split("\n") if x
   ]

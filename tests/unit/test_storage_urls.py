@@ -1,8 +1,9 @@
 """gs:// paths reach the storage libraries untouched (offline: nothing is written to a bucket).
 
 On a pod the weights store and the checkpoints are gs:// URLs that Orbax and tensorstore write
-with their own GCS drivers; only the small shared files (address files, the replay journal) go
-through the gcsfuse mount. A URL must never be turned into a local path on the way."""
+with their own GCS drivers; only the small shared files (address files) and the replay journal's
+sealed segments (`storage.ShippedJournal`, never appended to) go through the gcsfuse mount. A URL
+must never be turned into a local path on the way. tests/gcs_emulator.py runs them on a bucket."""
 
 from __future__ import annotations
 
