@@ -30,6 +30,9 @@ from collections.abc import Callable
 from launch import roles
 from launch.spec import INDEX_MOUNT, REPO, ClusterSpec, RetrievalTier, Slice
 
+# On a trainer worker's own disk: the replay logs, appended there and shipped to the run dir on
+# the bucket mount in sealed segments (a replaced VM rebuilds them from there).
+JOURNAL = "/var/tmp/asearcher_journal"
 # On every worker (home-relative): the code, the virtualenv, logs and pid files.
 CODE, VENV, RUN = "~/asearcher_jax", "~/asearcher_venv", "~/asearcher_run"
 # Stands for trainer worker 0's internal IP in printed plans (resolved with `describe` in a run),
@@ -130,6 +133,7 @@ def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
     retrieval_workers=tier.workers if tier else None,
     asearcher=(f"{VENV}/bin/asearcher",),
     serving_tensor=spec.serving[0].chips,
+    journal_dir=JOURNAL,
   )  # fmt: skip
 
 

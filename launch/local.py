@@ -67,6 +67,10 @@ class LocalSpec:
   # Fake CPU devices per serve-model process, each replica tensor parallel over all of them (as
   # a serving slice's chips on a pod); None: one device, the recipe's own serving mesh.
   serving_devices: int | None = None
+  # A bucket ("gs://name/prefix") for the weights store and the checkpoints, as on a pod (the
+  # trainer's replay logs are then appended under the run dir's journal/ and shipped); None:
+  # everything in the run dir.
+  bucket: str | None = None
   tools: str = "local"
   gin_params: tuple[str, ...] = ()
 
@@ -88,6 +92,9 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
       raise SpecError(f"{p}: {k} is required")
     if not isinstance(d[k], str):
       raise SpecError(f"{p}: {k} must be a string, got {d[k]!r}")
+  bucket = d.get("bucket")
+  if bucket is not None and not (isinstance(bucket, str) and bucket.startswith("gs://")):
+    raise SpecError(f'{p}: bucket must be a gs:// URL (e.g. bucket = "gs://name/prefix")')
   exp = experiment or d.get("experiment")
   if not exp:
     raise SpecError(f"{p}: no experiment")
@@ -103,9 +110,13 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
 
 
 def layout(spec: LocalSpec, run: Path, extra: tuple[str, ...] = ()) -> roles.Layout:
+  remote = None if spec.bucket is None else f"{spec.bucket.rstrip('/')}/{spec.name}"
   return roles.Layout(
     gin_files=(spec.experiment, *spec.overlays), gin_params=(*spec.gin_params, *extra),
-    run_dir=str(run / "train"), weights_dir=str(run / "weights"),
+    run_dir=str(run / "train"),
+    weights_dir=str(run / "weights") if remote is None else f"{remote}/weights",
+    checkpoint_dir=None if remote is None else f"{remote}/checkpoints",
+    journal_dir=None if remote is None else str(run / "journal"),
     address_files=tuple(str(run / "addresses" / f"serve-{i}.json") for i in range(spec.serving)),
     retrieval_addr_dir=str(run / "retrieval") if spec.tools == "local" else None,
     host="127.0.0.1", serve_port=0, retrieval_port=0, asearcher=ASEARCHER,

@@ -61,6 +61,10 @@ class Layout:
   retrieval_port: int = 0
   # The command that runs `asearcher` (a venv's script on a worker, `python -m` locally).
   asearcher: tuple[str, ...] = ("asearcher",)
+  # Where the trainer appends its replay logs, shipped to the run dir in sealed segments
+  # (`TrainConfig.journal_dir`: a disk of the trainer's own; the run dir on a bucket is never
+  # appended to); None: appended in the run dir itself (a local run).
+  journal_dir: str | None = None
   # Chips each serve-model splits its replica over (tensor parallel: its serving slice's chips,
   # or a local server's fake devices); None: the recipe's own binding.
   serving_tensor: int | None = None
@@ -119,6 +123,8 @@ def trainer_argv(layout: Layout) -> list[str]:
   ]  # fmt: skip
   if layout.checkpoint_dir is not None:
     args.append(f"--gin_param=train_config.TrainConfig.checkpoint_dir={_q(layout.checkpoint_dir)}")
+  if layout.journal_dir is not None:
+    args.append(f"--gin_param=train_config.TrainConfig.journal_dir={_q(layout.journal_dir)}")
   if layout.retrieval_addresses:
     addresses = ", ".join(_q(a) for a in layout.retrieval_addresses)
     where = f"search.LocalRetrievalConfig.addresses=({addresses},)"
