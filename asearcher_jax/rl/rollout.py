@@ -379,10 +379,10 @@ class RolloutController:
     finally:
       with self._lock:
         self._journals.pop(key, None)
-      if self.agents.group_done is not None:
-        self.agents.group_done(key)
       if not finished:
         self.staleness.on_reject()
+      if self.agents.group_done is not None:  # after the accounting, which must never be skipped
+        self.agents.group_done(key)
 
   async def _finish_group(
     self,
