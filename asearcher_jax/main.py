@@ -58,8 +58,11 @@ WRAPPERS = {"rehearse": "compile a role's programs for its TPU slice, as the rol
 # a multi-process program, whatever the environment says. On a pod the retrieval server runs on
 # trainer worker 0 beside the trainer, which owns the chips and the slice's jax.distributed: a
 # retrieval server that joined would wait for peers that never come and open a TPU the trainer
-# needs (its encoder and BM25 want cores, not HBM).
-CPU_ONLY = frozenset({"serve-retrieval", "index", "plan"})
+# needs (its encoder and BM25 want cores, not HBM). An export restores the whole policy unsharded
+# into host memory, from one process; inspect and audit read a run's files. A subcommand that runs
+# no model on an accelerator belongs here. (`sweep` does not: its points inherit its environment
+# and train on the accelerator.)
+CPU_ONLY = frozenset({"serve-retrieval", "index", "plan", "export", "inspect", "audit"})
 
 # Config classes this module builds through gin itself (`distributed_config`, `compile_cache_config`).
 ROOT_CONFIGS = (

@@ -497,7 +497,7 @@ def run_mode(
   )  # fmt: skip
   episodes: list[int] = []
 
-  def episode_client() -> SteeringClient:
+  def episode_client(group: str) -> SteeringClient:
     k = rng.draw_int(w.k_tools)
     episodes.append(k)
     return SteeringClient(

@@ -158,7 +158,7 @@ def steer(run: commands.TrainRun, seed: int) -> None:
   drv, tok = run.driver, run.tokenizer
   run.rollout.agents = dataclasses.replace(
     run.rollout.agents,
-    client=lambda: SteeringClient(drv, tok, k=2, rng=rng, output_len=out_len, tag="Paris"),
+    client=lambda group: SteeringClient(drv, tok, k=2, rng=rng, output_len=out_len, tag="Paris"),
   )
 
 

@@ -283,8 +283,9 @@ def build_run(
     items=items,
     agents=AgentSource(
       factory=make_agent,
-      # One server per episode (remote), so the episode's prefix stays cached there.
-      client=(lambda: drv) if remote is None else remote.client_for_episode,
+      # Remote: one server per group, so the group's prompt pages are shared there.
+      client=(lambda group: drv) if remote is None else remote.client_for_group,
+      group_done=None if remote is None else remote.group_done,
       toolbox=toolbox,
       stop_token_ids=policy.tokenizer.stop_token_ids,
     ),

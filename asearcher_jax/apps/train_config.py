@@ -65,7 +65,7 @@ class LearnerConfig:
 class RemoteEnginesConfig:
   """Generation on `asearcher serve-model` servers instead of the in-process engine."""
 
-  # Address files of the servers (one server per episode, round-robin); (): in-process engine.
+  # Address files of the servers (one server per group, least loaded); (): in-process engine.
   address_files: tuple[str, ...] = ()
   # Where each policy version is published for them (each server's own weights_dir): a weight
   # store both sides read (a local directory on one host; a shared filesystem or gs://bucket/dir

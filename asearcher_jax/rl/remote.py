@@ -5,8 +5,11 @@ inference + 32 training GPUs). Here that is one trainer process (`asearcher trai
 `engine_address_files` and `weights_dir`) and any number of `asearcher serve-model` processes,
 each started with the same `weights_dir`. `RemoteEngines` is everything the trainer needs from
 them:
-  * a client per server, handed to agents round-robin, one server per episode (every LLM call
-    of an episode goes to the server holding its parked prefix);
+  * a client per server, one server per GRPO group (`client_for_group`): the n episodes of a
+    group start from one prompt, so on one server its pages are prefilled once and shared, where
+    spread over k servers each would prefill it; an episode keeps its client for all its calls
+    (the server holding its parked prefix). A new group goes to the live server with the fewest
+    groups in flight, so long groups do not pile up on one server;
   * weight sync (`rl.weight_sync.WeightSync`: publish, flush, close): each version is written to
     `weights_dir` (`DirectoryWeightPublisher`); the servers' watchers load it between decode
     steps and stamp the tokens with the version they actually ran, so staleness measured from
@@ -20,7 +23,6 @@ them:
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
@@ -68,8 +70,10 @@ class RemoteEngines:
     self.clients = [RemoteGenerationClient(address_file=a, config=client) for a in address_files]
     self.publisher = DirectoryWeightPublisher(weights_dir, graphdef, sync)
     self.poll_s = poll_s
-    self._next = itertools.cycle(range(len(self.clients)))
     self._lock = threading.Lock()
+    self._groups: dict[str, int] = {}  # group in flight -> its server
+    self._load = [0] * len(self.clients)  # groups in flight per server
+    self._rr = 0  # where the round-robin among equally loaded servers starts
     self._health: list[dict[str, Any] | None] = [None] * len(self.clients)
     # Counters a server had before it restarted (they start again from 0), per server.
     self._base: list[dict[str, float]] = [{} for _ in self.clients]
@@ -80,10 +84,32 @@ class RemoteEngines:
 
   # --- agents ----------------------------------------------------------------------------------
 
-  def client_for_episode(self) -> RemoteGenerationClient:
-    """The next server, round-robin; an agent keeps it for its whole episode."""
+  def client_for_group(self, group: str) -> RemoteGenerationClient:
+    """The server of `group` (called once per episode attempt; the agent keeps the client for
+    its whole episode). A new group takes the live server with the fewest groups in flight,
+    round-robin among equals. A group whose server stopped answering the /health poll moves for
+    its later episodes (a retry after the server died goes where it can run); while no server
+    is known to answer (before `start()`, or all down) every one is a candidate, and a server
+    restarted behind its address file is found by the client's retries."""
     with self._lock:
-      return self.clients[next(self._next)]
+      n = len(self.clients)
+      live = [i for i in range(n) if self._up[i]] or list(range(n))
+      i = self._groups.get(group)
+      if i is None or i not in live:
+        if i is not None:
+          self._load[i] -= 1
+        i = min(live, key=lambda j: (self._load[j], (j - self._rr) % n))
+        self._rr = (i + 1) % n
+        self._groups[group] = i
+        self._load[i] += 1
+      return self.clients[i]
+
+  def group_done(self, group: str) -> None:
+    """`group` ended (accepted, rejected or cancelled): its server no longer counts it."""
+    with self._lock:
+      i = self._groups.pop(group, None)
+      if i is not None:
+        self._load[i] -= 1
 
   async def close_clients(self) -> None:
     for c in self.clients:

@@ -59,14 +59,19 @@ class AgentSource:
 
   Attributes:
     factory: (client, toolbox) -> a fresh agent.
-    client: the generation client of one episode, called once per episode attempt (remote
-      engines: one server per episode, so its prefix stays cached there).
+    client: group key -> the generation client of one episode of that group, called once per
+      episode attempt (remote engines: every episode of a group on one server, so the group's
+      prompt is prefilled there once and its pages shared; the episode keeps the client, so its
+      own prefix stays cached there).
+    group_done: told each group's key once the group has ended (accepted, rejected, failed or
+      cancelled), so `client` can forget it; None: nothing to tell.
     toolbox: the ToolBox every episode shares; None: agents without tools.
     stop_token_ids: the tokenizer's stop tokens (a resumed partial call continues with them).
   """
 
   factory: AgentFactory
-  client: Callable[[], GenerationClient]
+  client: Callable[[str], GenerationClient]
+  group_done: Callable[[str], None] | None = None
   toolbox: Any = None
   stop_token_ids: Sequence[int] = ()
 
@@ -376,6 +381,8 @@ class RolloutController:
         self._journals.pop(key, None)
       if not finished:
         self.staleness.on_reject()
+      if self.agents.group_done is not None:  # after the accounting, which must never be skipped
+        self.agents.group_done(key)
 
   async def _finish_group(
     self,
@@ -509,7 +516,7 @@ class RolloutController:
     tools = JournalToolBox(src.toolbox, journal, saved) if src.toolbox is not None else None
     hook = self.resume_log.hook(group.key, i, saved, tools) if self.resume_log and saved else None
     client = JournalClient(
-      src.client(), journal, saved, default_stop_ids=src.stop_token_ids, on_replayed=hook
+      src.client(group.key), journal, saved, default_stop_ids=src.stop_token_ids, on_replayed=hook
     )
     return src.factory(client, tools), client, tools
 

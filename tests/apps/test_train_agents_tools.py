@@ -208,7 +208,7 @@ def test_rollouts_read_pages_through_the_jina_reader(tmp_path, monkeypatch):
   agent = AsearcherAgentConfig(max_turns=8, max_new_tokens=64, max_tokens=4096)
   episodes = iter(range(1000))
 
-  def client() -> ScriptedClient:
+  def client(group: str) -> ScriptedClient:
     answer = "Paris" if next(episodes) % 2 == 0 else "Rome"  # every group of 2 has variance
     script = [
       "<search> capital city </search>",

@@ -153,7 +153,7 @@ class GatedClient(ScriptedClient):
 def run_controller(tok, *, gate, version, box, clients, state=None, start=True):
   counter = iter(range(10**6))
 
-  def client() -> GatedClient:
+  def client(group: str) -> GatedClient:
     clients.append(GatedClient(tok, next(counter), gate, version))
     return clients[-1]
 

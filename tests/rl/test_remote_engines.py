@@ -1,22 +1,32 @@
 """`rl.remote.RemoteEngines` over two real servers (OpenAI facade + driver + weights watcher, in
 this process on loopback): the start gate waits for every server to run the trainer's weights
-and names the one that does not, episodes alternate between servers, and the fleet's figures
-are the sum of the servers'."""
+and names the one that does not, and the fleet's figures are the sum of the servers'. Over
+scripted servers: the rollout controller sends a group's episodes to one server and spreads the
+groups, a new group goes to the least loaded live server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 
 import pytest
 from flax import nnx
 
+from asearcher_jax.agent import AsearcherAgent, AsearcherAgentConfig
+from asearcher_jax.data.qa import QAExample
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.rl.remote import RemoteEngines
+from asearcher_jax.rl.replay import ReplayConfig, ReplayQueue
+from asearcher_jax.rl.rollout import AgentSource, RolloutConfig, RolloutController
+from asearcher_jax.rl.staleness import StalenessConfig, StalenessManager
 from asearcher_jax.serving.client import RemoteClientConfig
 from asearcher_jax.serving.openai_api import OpenAIServer, OpenAIServerConfig
 from asearcher_jax.serving.types import SamplingParams
 from asearcher_jax.serving.weights_dir import DirectoryWeightWatcher
+from asearcher_jax.testing import ScriptedClient, fake_toolbox
+from asearcher_jax.tokenizer import Tokenizer
 from tests.serving.conftest import kv_layout, make_driver, tiny_model, tokenizer  # noqa: F401
 
 T = 60
@@ -52,8 +62,8 @@ async def test_two_servers_one_weights_dir(tmp_path, make_driver):  # noqa: F811
     await asyncio.to_thread(remote.wait_loaded, T)
     assert [w.loaded for w in watchers] == [[0], [0]]
 
-    # Round-robin, one server per episode; both now compute the trainer's policy.
-    clients = [remote.client_for_episode() for _ in range(4)]
+    # One server per group, groups spread; both now compute the trainer's policy.
+    clients = [remote.client_for_group(g) for g in ("g0", "g1", "g0", "g1")]
     assert clients == [remote.clients[0], remote.clients[1]] * 2
     greedy = SamplingParams(temperature=0.0)
     outs = await asyncio.wait_for(
@@ -106,3 +116,74 @@ def test_fleet_counters_survive_a_server_restart(tmp_path):
   s = remote.stats()
   assert s["tokens_generated"] == 185 and s["servers_up"] == 1 and s["slots"] == 4
   assert s["version"] == 3
+
+
+def test_a_groups_episodes_share_one_server_and_groups_spread(tmp_path):
+  """The controller as `asearcher train` wires it to two servers: the four episodes of a group
+  (one prompt) all reach the same server, where its prompt pages are shared, and the groups
+  running together are spread over both."""
+  tok = Tokenizer.qwen2()
+  remote = RemoteEngines(
+    [tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "w", nnx.split(tiny_model())[0]
+  )
+  remote.clients = [ScriptedClient(tok, lambda ctx, k: "<answer>Paris</answer>") for _ in "ab"]
+  items = [
+    QAExample(id=f"q{i}", dataset="t", question=f"Capital number {i}?", answers=("Paris",))
+    for i in range(4)
+  ]
+  staleness = StalenessManager(StalenessConfig(batch_groups=4, max_staleness=0))
+  ctl = RolloutController(
+    config=RolloutConfig(group_size=4, shuffle=False, admit_poll_s=0.05),
+    items=items,
+    agents=AgentSource(
+      factory=lambda c, box: AsearcherAgent(
+        client=c, tokenizer=tok, toolbox=box, config=AsearcherAgentConfig(max_turns=2)
+      ),
+      client=remote.client_for_group,
+      group_done=remote.group_done,
+      toolbox=fake_toolbox(),
+      stop_token_ids=tok.stop_token_ids,
+    ),
+    staleness=staleness,
+    replay=ReplayQueue(ReplayConfig(capacity=8)),
+    scorer=lambda trajs: [float(i % 2) for i in range(len(trajs))],  # every group accepted
+  )
+  ctl.start()
+  try:
+    deadline = time.monotonic() + T
+    while staleness.stats()["accepted"] < 4:  # eta = 0: no fifth group starts
+      assert time.monotonic() < deadline, staleness.stats()
+      time.sleep(0.02)
+  finally:
+    ctl.stop()
+  asked = [
+    [re.findall(r"Capital number (\d)", tok.decode(c.input_ids))[-1] for c in server.calls]
+    for server in remote.clients
+  ]
+  assert sorted(asked[0] + asked[1]) == sorted("0123" * 4)  # one call per episode
+  assert not set(asked[0]) & set(asked[1])  # no group on both servers
+  assert len(set(asked[0])) == len(set(asked[1])) == 2  # two groups each
+  assert remote._groups == {}  # every group ended: none holds its server
+
+
+def test_groups_go_to_the_least_loaded_live_server(tmp_path):
+  """A new group takes the server with the fewest groups in flight (round-robin among equals); a
+  group keeps its server while that answers and moves when it stops, for its later episodes (a
+  retry after the server died); with no server known up, every server is a candidate."""
+  files = [tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"]
+  remote = RemoteEngines(files, tmp_path / "w", nnx.split(tiny_model())[0])
+  a, b, c = remote.clients
+  assert [remote.client_for_group(g) for g in ("g0", "g1", "g2", "g1", "g0")] == [a, b, c, b, a]
+  remote.group_done("g1")
+  assert remote.client_for_group("g3") is b  # b is the only server with no group
+  assert remote.client_for_group("g4") is c  # all hold one: round-robin goes on after b
+  remote._record(0, {"driver": {}}, pid=None)  # a and b answer their poll, c does not
+  remote._record(1, {"driver": {}}, pid=None)
+  assert remote._fetch(2, timeout_s=0.1) == {}
+  assert remote.client_for_group("g2") is a  # off c; a and b hold one each: round-robin
+  assert remote.client_for_group("g4") is b  # off c; b holds fewer than a
+  assert remote.client_for_group("g5") is a  # a and b hold two each, c none but it is down
+  assert remote.client_for_group("g2") is a  # settled on a while a answers
+  for i in range(3):
+    remote._up[i] = False  # nothing answers (or no poll yet): every server a candidate
+  assert remote.client_for_group("g6") is c

@@ -55,7 +55,7 @@ def factory(tok, scripts: Callable[[int], list[str]], *, delay_s: float = 0.0, t
     factory=lambda client, box: AsearcherAgent(
       client=client, tokenizer=tok, toolbox=box, config=AGENT
     ),
-    client=lambda: ScriptedClient(tok, scripts(next(counter)), delay_s=delay_s),
+    client=lambda group: ScriptedClient(tok, scripts(next(counter)), delay_s=delay_s),
     toolbox=toolbox or fake_toolbox(),
     stop_token_ids=tok.stop_token_ids,
   )
