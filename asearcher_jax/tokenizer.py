@@ -7,7 +7,11 @@ by that Jinja template as transformers' `apply_chat_template` renders it (QwQ-32
 assistant turn with `<think>\n` and has no default system prompt; Qwen2.5's has one), so the
 policy sees the prompt it was trained on. Without one (the packaged vocabulary, the tiny test
 policies) the ChatML written out below is used: agents build later turns by concatenating token
-ids, so the exact bytes of every role header must be fixed and testable either way.
+ids, so the exact bytes of every role header must be fixed and testable either way. No agent
+re-renders a conversation (search_r1 renders one user turn, reasoning a fresh one-turn chat per
+call, asearcher plain text), so QwQ's template dropping the thinking of earlier assistant turns
+never breaks a trajectory's prefix; only the OpenAI-compatible server re-renders what a client
+sends, and there the template's own semantics are the point.
 """
 
 from __future__ import annotations

@@ -29,6 +29,12 @@ CHATS = [
     {"role": "tool", "content": "r1"},
     {"role": "tool", "content": "r2"},
   ],
+  [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "<think>\nfirst\n</think>\n\n<search>a</search>"},
+    {"role": "user", "content": "<information>b</information>"},
+    {"role": "assistant", "content": "<think>\nsecond\n</think>\n\n<answer>b</answer>"},
+  ],
 ]
 
 
@@ -71,4 +77,17 @@ def test_qwq_opens_its_thinking_and_qwen25_keeps_its_system_prompt(tmp_path):
     Tokenizer.qwen2()
     .format_chat(user)
     .startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+  )
+
+
+def test_qwq_strips_thinking_from_earlier_assistant_turns_only(tmp_path):
+  """QwQ-32B's own template (llama.cpp's verbatim copy) keeps the last assistant turn whole and
+  drops the thinking of earlier ones; a template that strips every turn renders other text."""
+  tok = Tokenizer.from_dir(_model_dir(tmp_path, "qwq_32b"))
+  text = tok.format_chat(CHATS[-1], add_generation_prompt=False)
+  assert text == (
+    "<|im_start|>user\nq<|im_end|>\n"
+    "<|im_start|>assistant\n<search>a</search><|im_end|>\n"
+    "<|im_start|>user\n<information>b</information><|im_end|>\n"
+    "<|im_start|>assistant\n<think>\nsecond\n</think>\n\n<answer>b</answer><|im_end|>\n"
   )
