@@ -31,6 +31,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from asearcher_jax import http_guard
+from asearcher_jax.errors import TokenizerError
 from asearcher_jax.serving import openai_stream
 from asearcher_jax.serving.driver import Driver, EngineError
 from asearcher_jax.serving.openai_protocol import (
@@ -339,7 +340,7 @@ class OpenAIServer:
       messages = parse_messages(body.get("messages"))
       try:
         prompt = self.tokenizer.encode_chat(messages)
-      except (ValueError, KeyError) as e:
+      except (ValueError, KeyError, TokenizerError) as e:  # the model's template may refuse
         raise RequestError(str(e), param="messages") from None
       batch = self.start_batch([prompt], c, None)
       if c.stream:
