@@ -14,6 +14,7 @@ from flax import nnx
 from asearcher_jax import tpu_env
 from asearcher_jax.model import transformer
 from asearcher_jax.model.kv_cache import PagedKVCache
+from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.serving.mesh import ServingMeshConfig
 from asearcher_jax.serving.types import SamplingParams
@@ -139,3 +140,54 @@ def test_idle_slots_attend_nothing_on_the_ragged_path(monkeypatch):
   with jax.disable_jit():
     engine_steps._generate(eng._graphdef, cfg.max_seq_len, "greedy", params, state)
   assert seen and all(list(x) == [6, 1, 1, 1] for x in seen)  # 5 cached + the fed token
+
+
+def _engine(layout: str, attention: str = "auto", *, slots: int = 2):
+  from asearcher_jax.serving.engine import Engine
+  from asearcher_jax.tokenizer import Tokenizer
+
+  cfg = EngineConfig(max_slots=slots, max_seq_len=64, prefill_buckets=(16, 32), suffix_buckets=(8,),
+                     decode_rows=(), kv_layout=layout, page_size=4, paged_attention=attention)  # fmt: skip
+  return Engine.from_model(tiny_model(seed=7), Tokenizer.qwen2(), cfg)
+
+
+def _map_pages(eng, state, slots):
+  """Slot s (the i-th of `slots`) owns pages 1 + i * pages_per_seq onwards, a whole context."""
+  if not eng.paged:
+    return state
+  n = eng.cfg.pages_per_seq
+  table = np.zeros((eng.cfg.max_slots, n), np.int32)
+  for i, slot in enumerate(slots):
+    table[slot] = np.arange(1 + i * n, 1 + (i + 1) * n)
+  return eng.set_page_table(state, table)
+
+
+@pytest.mark.parametrize("attention", ["gather", "ragged_reference"])
+def test_a_suffix_padded_past_the_context_limit_continues_as_the_fixed_engine(attention):
+  """A continuation turn whose cached context nearly fills the window: 60 tokens cached, a
+  3-token suffix padded to a bucket of 8 at start 60, so the padded bucket runs 4 positions past
+  max_seq_len (64). Its first token and logprob, and the tokens decoded after it (which read the
+  suffix's keys from its pages), must be the fixed engine's, whose plan moves the start back."""
+  greedy = SamplingParams(temperature=0.0)
+  prompt = list(np.random.default_rng(0).integers(1, 100, 60))
+  suffix = [7, 9, 11]
+  got = {}
+  for name, eng in (("fixed", _engine("fixed")), (attention, _engine("paged", attention))):
+    params = eng.load_params()
+    state = _map_pages(eng, eng.init_decode_state(), [1])
+    prefix = eng.prefill_many(params=params, prompts=[prompt], samplings=[greedy], seeds=[0])
+    state = eng.insert_many(prefix, state, [1])
+    state = eng.release(state, 1)  # parked: the turn's tools ran
+    start, bucket, window = eng.extend_plan(60, 63)  # fixed: start moves back to 56
+    if eng.paged:
+      assert (start, bucket) == (60, 8)  # the padded bucket ends at 68 > 64
+    full = prompt + suffix
+    state, tok, lp, _, _ = eng.extend_slot(params, state, 1, full[start:], start, sampling=greedy,
+                                           bucket=bucket, window=window)  # fmt: skip
+    tokens, logprobs = [int(tok)], [float(lp)]
+    state, result = eng.generate(params, state, max_length=64, mode="greedy")
+    tokens.append(int(result.data[1, 0]))
+    logprobs.append(float(steps.result_logprobs(result)[1]))
+    got[name] = tokens, logprobs
+  assert got[attention][0] == got["fixed"][0]
+  np.testing.assert_allclose(got[attention][1], got["fixed"][1], atol=1e-5)
