@@ -40,6 +40,11 @@ class PageView(NamedTuple):
   lengths: jax.Array
   attention: str  # kv_cache.PAGED_ATTENTION: how the pages are read
   mesh: Mesh | None  # where the ragged kernel runs per chip on its heads (PagedKVCache.mesh)
+  # Ragged, where some rows ride along (`Transformer.extend`'s live): the order the kernel gets
+  # the rows in, live ones first ([B]; read_table and lengths are in this order), its inverse,
+  # the rows that run ([B] bool) and how many sequences the kernel reads ([1]). None: every row
+  # runs, in order.
+  ragged_rows: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None
 
 
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -167,11 +172,17 @@ class Attention(nnx.Module):
         )
       else:  # rows end to end, each its own sequence of T queries, over its own length
         b, t = x.shape[:2]
+        order = inverse = live = None
+        num = jnp.full((1,), b, jnp.int32)
+        if pages.ragged_rows is not None:
+          order, inverse, live, num = pages.ragged_rows
         out = ragged_paged.attention(
-          q.reshape(b * t, *q.shape[2:]), pool, pages.lengths, pages.read_table,
-          jnp.arange(b + 1, dtype=jnp.int32) * t, jnp.full((1,), b, jnp.int32),
+          (q if order is None else q[order]).reshape(b * t, *q.shape[2:]), pool, pages.lengths,
+          pages.read_table, jnp.arange(b + 1, dtype=jnp.int32) * t, num,
           kernel=pages.attention == "ragged", mesh=pages.mesh,
         ).reshape(q.shape)  # fmt: skip
+        if order is not None:  # rows past num_seqs come out of the kernel unwritten
+          out = jnp.where(live[:, None, None, None], out[inverse], 0.0).astype(out.dtype)
       return self.o_proj(out.reshape(x.shape[0], x.shape[1], -1)), pool, None
     if rows is None:
       k_buf, v_buf = write(k_buf, k, start), write(v_buf, v, start)
@@ -416,6 +427,7 @@ class Transformer(nnx.Module):
     rows: jax.Array | None = None,
     fresh: bool = False,
     write_len: jax.Array | None = None,
+    live: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | PagedKVCache]:
     """Appends tokens [B, T] at per-row offsets start [B]; returns logits [B, T, V] and the cache.
 
@@ -432,6 +444,11 @@ class Transformer(nnx.Module):
     i): the same keys at the same positions, so the same outputs as a fixed cache. write_len [B]
     (paged only) keeps the keys/values of each row's first write_len tokens and drops the rest
     (padding; 0 for a row whose positions are cached already or that only rides along).
+    live [B] bool (paged only; default every row): rows that run. The others (idle decode slots)
+    write nothing and read no page: the gather reads the null page for them, the ragged program
+    hands them to the kernel after its last sequence with length 0, so they cost it nothing and
+    whatever their table maps (pages since freed or owned by another sequence) reaches no row.
+    Their outputs are meaningless. A fixed cache ignores it (an idle row there reads its own row).
     """
     if self.stacked_layers is not None:
       raise ValueError("extend runs over layers stored one module each: unstack() first")
@@ -445,6 +462,9 @@ class Transformer(nnx.Module):
       valid = jnp.ones(positions.shape, bool)
       if write_len is not None:
         valid = jnp.arange(tokens.shape[1])[None, :] < write_len[:, None]
+      if live is not None:
+        valid = valid & live[:, None]
+        table = jnp.where(live[:, None], table, kv_lib.NULL_PAGE)
       page, offset = kv_lib.page_coordinates(table, positions, valid, cache.page_size)
       # The gather reads the window's pages; ragged attention reads each row's own length only,
       # which for a padded suffix may pass the window and even the context (query positions
@@ -457,7 +477,10 @@ class Transformer(nnx.Module):
         pad = -(-tokens.shape[1] // cache.page_size)
         read = jnp.pad(table, ((0, 0), (0, pad)), constant_values=kv_lib.NULL_PAGE)
       lengths = jnp.minimum(start + tokens.shape[1], read.shape[1] * cache.page_size)
-      view = PageView(page, offset, read, lengths.astype(jnp.int32), cache.attention, cache.mesh)
+      lengths, ragged_rows = lengths.astype(jnp.int32), None
+      if live is not None and cache.attention != "gather":
+        read, lengths, ragged_rows = _live_first(read, lengths, live, tokens.shape[1])
+      view = PageView(page, offset, read, lengths, cache.attention, cache.mesh, ragged_rows)
       rows = None  # the table rows already select the pages
       pools = []
       for layer, pool in zip(self.layers, cache.kv, strict=True):
@@ -475,6 +498,20 @@ class Transformer(nnx.Module):
       vs.append(v_buf)
     out = x if return_hidden else self.logits(x)
     return out, cache.replace(k=tuple(ks), v=tuple(vs))
+
+
+def _live_first(read: jax.Array, lengths: jax.Array, live: jax.Array, t: int):
+  """The ragged kernel's rows when only `live` ones run: those first, the rest after its last
+  sequence (num_seqs), length 0, which it never reads. Left in place with length 0, a row would
+  break the kernel's contract (each sequence's kv_len at least its queries) and its prefetch
+  (which starts the next sequence's first block whether that sequence reads one or not). With
+  no row live, one sequence still runs, T positions of the null page (a kernel of no sequence
+  would leave its first block's copy unwaited). Returns (table, lengths, PageView.ragged_rows)."""
+  order = jnp.argsort(~live, stable=True).astype(jnp.int32)
+  inverse = jnp.argsort(order).astype(jnp.int32)
+  lengths = jnp.where(live, lengths, 0)[order].at[0].max(t)  # row 0 is live, if any is
+  num = jnp.maximum(jnp.sum(live, dtype=jnp.int32), 1)[None]
+  return read[order], lengths, (order, inverse, live, num)
 
 
 def stack_params(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:

@@ -94,8 +94,8 @@ class DecodeState:
   top_k: jax.Array  # [S]
   # [S] bool: slot holds a request being decoded. Inactive slots (empty, or parked by the
   # driver's prefix cache) still ride through every step, but write their throwaway key/value at
-  # the last cache position, which no reusable prefix ever covers (paged: nowhere, the null
-  # page), and keep their length.
+  # the last cache position, which no reusable prefix ever covers (paged: nowhere, reading no
+  # page either: `Transformer.extend`'s live), and keep their length.
   active: jax.Array
 
 
@@ -167,10 +167,10 @@ def _insert_many(prefixes: Prefix, state: DecodeState, slots) -> DecodeState:
 
 
 def _idle_start(cache: KVCache | PagedKVCache) -> int:
-  """Where a row that decodes nothing this step sits. Paged: position 0, writing nothing
-  (write_len 0), so the ragged program reads one position of it instead of a whole context (an
-  idle row at the last position made every free slot of a 512-slot replica attend 32k positions
-  each step). Fixed: the last position, the scratch token's (never part of a parked prefix)."""
+  """Where a row that decodes nothing this step sits. Paged: position 0, not live (it writes
+  nothing and reads no page; the ragged kernel gets it with length 0: an idle row at the last
+  position made every free slot of a 512-slot replica attend 32k positions each step). Fixed:
+  the last position, the scratch token's (never part of a parked prefix)."""
   return 0 if isinstance(cache, PagedKVCache) else cache.max_len - 1
 
 
@@ -185,13 +185,13 @@ def _generate(
 ):
   model: Transformer = nnx.merge(graphdef, params.state)
   # Live slots stay inside the window (the caller's max_length says so). Inactive slots sit at
-  # `_idle_start` (paged: position 0, writing nothing; fixed: the cache's last position, never
-  # part of a parked prefix) and their samples are discarded.
+  # `_idle_start` (paged: position 0, reading and writing nothing; fixed: the cache's last
+  # position, never part of a parked prefix) and their samples are discarded.
   last = _idle_start(state.cache)
   start = jnp.where(state.active, jnp.minimum(state.lengths, attend_len - 1), last)
   logits, cache = model.extend(
     state.next_tokens[:, None], start, state.cache, attend_len,
-    write_len=state.active.astype(jnp.int32),
+    write_len=state.active.astype(jnp.int32), live=state.active,
   )  # fmt: skip
   tokens, logprobs = sample(
     logits[:, 0], state.keys, start, state.temperature, state.top_p, state.top_k, mode
@@ -237,7 +237,7 @@ def _generate_rows(
   start = jnp.where(active, jnp.minimum(state.lengths[rows], attend_len - 1), last)
   logits, cache = model.extend(
     state.next_tokens[rows][:, None], start, state.cache, attend_len, rows=rows,
-    write_len=active.astype(jnp.int32),
+    write_len=active.astype(jnp.int32), live=active,
   )  # fmt: skip
   tokens, logprobs = sample(
     logits[:, 0], state.keys[rows], start, state.temperature[rows], state.top_p[rows],
@@ -305,7 +305,7 @@ def _decode_chunk(graphdef, attend_len: int, mode: SamplingMode, max_steps: int,
     start = jnp.where(go, jnp.minimum(lengths, attend_len - 1), last)
     logits, cache = model.extend(
       tok[:, None], start, cache, attend_len, rows=None if every else rows,
-      write_len=go.astype(jnp.int32),
+      write_len=go.astype(jnp.int32), live=go,
     )  # fmt: skip
     new, lp = sample(logits[:, 0], keys, start, temp, top_p, top_k, mode)
     lengths = lengths + go.astype(jnp.int32)

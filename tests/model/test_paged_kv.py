@@ -147,3 +147,46 @@ def test_a_padded_suffix_at_the_context_limit_attends_from_its_own_positions(att
   _, paged = _extend_at(model, prompt, zero, paged, MAX_LEN)
   got, _ = _extend_at(model, suffix, at, paged, MAX_LEN, jnp.asarray([3]))
   np.testing.assert_allclose(got[:, :3], want[:, :3], atol=1e-5)
+
+
+@nnx.jit
+def _extend_live(model, tokens, start, cache, live):
+  return model.extend(tokens, start, cache, 16, live=live)
+
+
+@READS
+def test_rows_not_live_read_and_write_no_page(attention, repeat):
+  """A 4-token extend of three rows with the middle one not live (its table mapping pages that
+  hold NaN): the live rows give the fixed cache's outputs (the ragged program puts them first
+  and hands the kernel only those), and no page but the null page changes. With no row live,
+  nothing reaches a page either, and the outputs stay finite."""
+  cfg = small_cfg(vocab_size=101)
+  model = _model(cfg, seed=4)
+  rng = np.random.default_rng(5)
+  prompt, suffix = (jnp.asarray(rng.integers(1, 100, (B, n))) for n in (6, 4))
+  fixed = KVCache.init(cfg, batch=B, max_len=MAX_LEN)
+  paged = PagedKVCache.init(
+    cfg, slots=B, num_pages=1 + B * PAGES_PER_SEQ, page_size=PAGE, pages_per_seq=PAGES_PER_SEQ,
+    attention=attention, repeat=repeat,
+  )  # fmt: skip
+  table = _scattered_table(paged.num_pages, seed=2)
+  paged = paged.replace(page_table=jnp.asarray(table))
+  zeros, six = jnp.zeros((B,), jnp.int32), jnp.full((B,), 6, jnp.int32)
+  _, fixed = _extend(model, prompt, zeros, fixed)
+  want, _ = _extend(model, suffix, six, fixed)
+  _, paged = _extend(model, prompt, zeros, paged)
+  paged = paged.replace(kv=tuple(p.at[table[1]].set(jnp.nan) for p in paged.kv))
+  before = [np.asarray(p) for p in paged.kv]
+  live = jnp.asarray([True, False, True])
+  got, after = _extend_live(model, suffix, six, paged, live)
+  np.testing.assert_allclose(got[0::2], want[0::2], atol=1e-5)
+  written = np.zeros(paged.num_pages, bool)
+  written[[NULL_PAGE, *table[[0, 2]].ravel()]] = True
+  for b, a in zip(before, after.kv, strict=True):  # the idle row's NaN pages are untouched
+    np.testing.assert_array_equal(np.asarray(a)[~written], b[~written])
+  paged = paged.replace(kv=tuple(p.at[table[1]].set(0.0) for p in paged.kv))
+  before = [np.asarray(p) for p in paged.kv]
+  got, after = _extend_live(model, suffix, six, paged, jnp.zeros((B,), bool))
+  assert np.isfinite(np.asarray(got)).all()
+  for b, a in zip(before, after.kv, strict=True):
+    np.testing.assert_array_equal(np.asarray(a)[1:], b[1:])

@@ -6,7 +6,10 @@ with the kernel in it."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -14,6 +17,7 @@ from flax import nnx
 from asearcher_jax import tpu_env
 from asearcher_jax.model import transformer
 from asearcher_jax.model.kv_cache import PagedKVCache
+from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine import EngineConfig
 from asearcher_jax.serving.mesh import ServingMeshConfig
 from asearcher_jax.serving.types import SamplingParams
@@ -110,32 +114,135 @@ def test_the_engines_decode_step_compiles_for_v5p_with_the_ragged_kernel():
   assert not gather["kernel_in_program"] and gather["fits"]
 
 
-def test_idle_slots_attend_nothing_on_the_ragged_path(monkeypatch):
-  """A decode step over every slot with one live: the ragged program is handed the live slot's
-  length and one position for each idle slot (it once handed them the whole context each)."""
-  from asearcher_jax.model import ragged_paged
-  from asearcher_jax.serving import engine_steps
+def _engine(layout: str, attention: str = "auto", *, slots: int = 2, **kw):
   from asearcher_jax.serving.engine import Engine
   from asearcher_jax.tokenizer import Tokenizer
 
-  cfg = EngineConfig(max_slots=4, max_seq_len=64, prefill_buckets=(16,), kv_layout="paged",
-                     page_size=4, paged_attention="ragged_reference")  # fmt: skip
-  eng = Engine.from_model(tiny_model(seed=1), Tokenizer.qwen2(), cfg)
-  params, state = eng.load_params(), eng.init_decode_state()
-  table = np.zeros((4, cfg.pages_per_seq), np.int32)
-  table[0, :4] = [1, 2, 3, 4]
-  state = eng.set_page_table(state, table)
-  prefix = eng.prefill_many(params=params, prompts=[[5, 6, 7, 8, 9]],
-                            samplings=[SamplingParams(temperature=0.0)], seeds=[0])  # fmt: skip
-  state = eng.insert_many(prefix, state, [0])
+  kw = {"max_seq_len": 64, "prefill_buckets": (16, 32), "suffix_buckets": (8,), "decode_rows": (),
+        "page_size": 4, **kw}  # fmt: skip
+  cfg = EngineConfig(max_slots=slots, kv_layout=layout, paged_attention=attention, **kw)
+  return Engine.from_model(tiny_model(seed=7), Tokenizer.qwen2(), cfg)
+
+
+def _map_pages(eng, state, slots, pages: int | None = None):
+  """Slot s (the i-th of `slots`) owns pages 1 + i * pages_per_seq onwards: `pages` of them (a
+  whole context by default), the rest of its table the null page."""
+  if not eng.paged:
+    return state
+  n = eng.cfg.pages_per_seq
+  table = np.zeros((eng.cfg.max_slots, n), np.int32)
+  for i, slot in enumerate(slots):
+    table[slot, : pages or n] = np.arange(1 + i * n, 1 + i * n + (pages or n))
+  return eng.set_page_table(state, table)
+
+
+@pytest.mark.parametrize("step", ["every_slot", "rows"])
+def test_idle_slots_attend_nothing_on_the_ragged_path(monkeypatch, step):
+  """A decode step with one live slot (slot 2) among idle ones: the ragged program hands the
+  kernel the live slot as its only sequence (num_seqs 1, its length, its pages) and every idle
+  slot after it with length 0 and no pages, so an idle slot costs the kernel nothing. (It once
+  handed each idle slot the whole context, then one position of it.)"""
+  from asearcher_jax.model import ragged_paged
+
+  eng = _engine("paged", "ragged_reference", slots=4)
+  params = eng.load_params()
+  state = _map_pages(eng, eng.init_decode_state(), [2, 0, 1, 3])  # idle slots map pages too
+  greedy = SamplingParams(temperature=0.0)
+  prefix = eng.prefill_many(params=params, prompts=[[5, 6, 7, 8, 9]], samplings=[greedy],
+                            seeds=[0])  # fmt: skip
+  state = eng.insert_many(prefix, state, [2])
   seen = []
   attention = ragged_paged.attention
 
-  def record(q, pool, lengths, *args, **kwargs):
-    seen.append(np.asarray(lengths))
-    return attention(q, pool, lengths, *args, **kwargs)
+  def record(q, pool, lengths, table, cu, num, **kwargs):  # what the kernel gets, at run time
+    jax.debug.callback(lambda *a: seen.append([np.asarray(x) for x in a]), lengths, table, num)
+    return attention(q, pool, lengths, table, cu, num, **kwargs)
 
   monkeypatch.setattr(ragged_paged, "attention", record)
-  with jax.disable_jit():
-    engine_steps._generate(eng._graphdef, cfg.max_seq_len, "greedy", params, state)
-  assert seen and all(list(x) == [6, 1, 1, 1] for x in seen)  # 5 cached + the fed token
+  if step == "every_slot":
+    jax.jit(functools.partial(steps._generate, eng._graphdef, 64, "greedy"))(params, state)
+  else:  # a step over two rows: slot 2 live, slot 0 padding the step
+    rows, live = jnp.asarray([0, 2]), jnp.asarray([False, True])
+    fn = functools.partial(steps._generate_rows, eng._graphdef, 64, "greedy")
+    jax.jit(fn)(params, state, rows, live)  # a new function: traced anew, through `record`
+  jax.effects_barrier()
+  assert len(seen) == eng.model_cfg.num_layers
+  n_rows = 4 if step == "every_slot" else 2
+  for lengths, table, num in seen:
+    assert list(num) == [1]
+    assert list(lengths) == [6] + [0] * (n_rows - 1)  # 5 cached + the fed token; idle: nothing
+    np.testing.assert_array_equal(table[0, :16], np.arange(1, 17))  # slot 2's own pages
+    assert not table[1:].any()  # idle rows map the null page only
+
+
+@pytest.mark.parametrize("attention", ["gather", "ragged_reference"])
+def test_a_suffix_padded_past_the_context_limit_continues_as_the_fixed_engine(attention):
+  """A continuation turn whose cached context nearly fills the window: 60 tokens cached, a
+  3-token suffix padded to a bucket of 8 at start 60, so the padded bucket runs 4 positions past
+  max_seq_len (64). Its first token and logprob, and the tokens decoded after it (which read the
+  suffix's keys from its pages), must be the fixed engine's, whose plan moves the start back."""
+  greedy = SamplingParams(temperature=0.0)
+  prompt = list(np.random.default_rng(0).integers(1, 100, 60))
+  suffix = [7, 9, 11]
+  got = {}
+  for name, eng in (("fixed", _engine("fixed")), (attention, _engine("paged", attention))):
+    params = eng.load_params()
+    state = _map_pages(eng, eng.init_decode_state(), [1])
+    prefix = eng.prefill_many(params=params, prompts=[prompt], samplings=[greedy], seeds=[0])
+    state = eng.insert_many(prefix, state, [1])
+    state = eng.release(state, 1)  # parked: the turn's tools ran
+    start, bucket, window = eng.extend_plan(60, 63)  # fixed: start moves back to 56
+    if eng.paged:
+      assert (start, bucket) == (60, 8)  # the padded bucket ends at 68 > 64
+    full = prompt + suffix
+    state, tok, lp, _, _ = eng.extend_slot(params, state, 1, full[start:], start, sampling=greedy,
+                                           bucket=bucket, window=window)  # fmt: skip
+    tokens, logprobs = [int(tok)], [float(lp)]
+    state, result = eng.generate(params, state, max_length=64, mode="greedy")
+    tokens.append(int(result.data[1, 0]))
+    logprobs.append(float(steps.result_logprobs(result)[1]))
+    got[name] = tokens, logprobs
+  assert got[attention][0] == got["fixed"][0]
+  np.testing.assert_allclose(got[attention][1], got["fixed"][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["gather", "ragged_reference"])
+def test_live_slots_decode_as_the_fixed_engine_whatever_idle_slots_pages_hold(attention):
+  """Slots 1 and 3 decode, slot 0 is parked and slot 2 is free, its table still mapping pages
+  that now hold anything (here NaN: freed pages, or pages another sequence owns). Over a step of
+  every slot, a step of a few rows and a multi-step call, the live slots' tokens, logprobs and
+  versions are the fixed engine's: an idle slot reads no page, so nothing it could read reaches
+  a live slot (it once read its first page, and its NaN reached every slot through the null page
+  its writes go to)."""
+  samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3)]
+  prompts = [list(range(5, 14)), list(range(20, 32))]  # one bucket (16)
+  got = {}
+  kw = {"slots": 4, "decode_rows": (2,), "decode_steps_per_call": 3}
+  for name, eng in (
+    ("fixed", _engine("fixed", **kw)),
+    (attention, _engine("paged", attention, **kw)),
+  ):
+    params = eng.load_params()
+    state = _map_pages(eng, eng.init_decode_state(), [0, 1, 2, 3], pages=10)  # 40 positions
+    prefix = eng.prefill_many(params=params, prompts=[[40, 41, 42], *prompts],
+                              samplings=[samplings[0], *samplings], seeds=[0, 1, 2])  # fmt: skip
+    state = eng.release(eng.insert_many(prefix, state, [0, 1, 3]), 0)
+    if eng.paged:  # slot 2 is free; the pages its table maps hold NaN
+      free = eng.cfg.pages_per_seq * 2 + 1 + np.arange(10)
+      kv = tuple(p.at[free].set(jnp.nan) for p in state.cache.kv)
+      state = state.replace(cache=state.cache.replace(kv=kv))
+    out = []
+    state, result = eng.generate(params, state, max_length=32, mode="truncate")  # every slot
+    out.append(np.asarray(result.data)[[1, 3]])
+    state, result = eng.generate(params, state, max_length=32, mode="truncate", live=[1, 3])
+    out.append(np.asarray(result.data)[[1, 3]])
+    state, chunk, rows = eng.generate_chunk(params, state, [1, 3], [3, 3], [(), ()],
+                                            max_length=40, mode="truncate")  # fmt: skip
+    out.extend(np.asarray(chunk)[:, np.searchsorted(rows, [1, 3])])
+    got[name] = out
+  for g, w in zip(got[attention], got["fixed"], strict=True):
+    cols = [steps.TOKEN, steps.VALID, steps.LENGTH, steps.VERSION]
+    np.testing.assert_array_equal(g[:, cols], w[:, cols])
+    lp = g[:, steps.LOGPROB].astype(np.int32).view(np.float32)
+    want = w[:, steps.LOGPROB].astype(np.int32).view(np.float32)
+    np.testing.assert_allclose(lp, want, atol=1e-5)
