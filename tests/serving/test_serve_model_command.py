@@ -309,8 +309,9 @@ async def test_serve_model_on_a_tensor_parallel_mesh_serves_what_one_device_does
       proc.send_signal(signal.SIGTERM)
       outs[t], _ = await asyncio.to_thread(proc.communicate, timeout=T)
   assert all(p.returncode == 0 for p in procs.values()), outs
-  assert health[1]["mesh"] == {"tensor": 1, "devices": [0]}
-  assert health[4]["mesh"] == {"tensor": 4, "devices": [0, 1, 2, 3]}
+  # The model's 4 KV heads: all on one device, one a device over four.
+  assert health[1]["mesh"] == {"tensor": 1, "devices": [0], "kv_heads_per_chip": 4}
+  assert health[4]["mesh"] == {"tensor": 4, "devices": [0, 1, 2, 3], "kv_heads_per_chip": 1}
   assert "on 4 cpu device(s) (tensor=4)" in outs[4]
   one, four = answers[1]["choices"], answers[4]["choices"]
   assert len(one) == len(four) == 3
