@@ -30,7 +30,11 @@ def launch(*argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize(
   ("spec", "serving_chips", "kv_heads_per_chip", "trainer_chips"),
   # Qwen2.5-7B has 4 KV heads, Qwen2.5-14B and QwQ-32B (v5p.toml) 8.
-  [("v5p_local_7b.toml", 4, 1, 16), ("v5p_local_14b.toml", 4, 2, 32), ("v5p.toml", 4, 2, 32)],
+  [
+    ("v5p_local_7b.toml", 4, 1, 16),
+    pytest.param("v5p_local_14b.toml", 4, 2, 32, marks=pytest.mark.slow),  # ~8 s each
+    pytest.param("v5p.toml", 4, 2, 32, marks=pytest.mark.slow),
+  ],
 )
 def test_every_role_of_a_shipped_spec_fits_its_slice_as_launched(
   spec, serving_chips, kv_heads_per_chip, trainer_chips
