@@ -65,6 +65,17 @@ def _announced_address(proc: subprocess.Popen, addr_dir: Path, timeout_s: float 
   return files[0].read_text()
 
 
+def _top_title(address: str, query: str) -> str:
+  """The title of the top passage a retrieval server at `address` answers `query` with."""
+  req = urllib.request.Request(
+    f"http://{address}/retrieve",
+    data=json.dumps({"queries": [query], "topk": 1}).encode(),
+    headers={"Content-Type": "application/json"},
+  )
+  with urllib.request.urlopen(req, timeout=10) as resp:
+    return json.loads(resp.read())["result"][0][0]["title"]
+
+
 def test_serve_retrieval_command_announces_serves_and_cleans_up(tmp_path: Path) -> None:
   addr_dir = tmp_path / "addrs"
   proc = subprocess.Popen(
@@ -85,13 +96,7 @@ def test_serve_retrieval_command_announces_serves_and_cleans_up(tmp_path: Path) 
   try:
     address = _announced_address(proc, addr_dir)
     assert address.startswith("127.0.0.1:")
-    req = urllib.request.Request(
-      f"http://{address}/retrieve",
-      data=json.dumps({"queries": ["Teutberga"], "topk": 1}).encode(),
-      headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-      assert json.loads(resp.read())["result"][0][0]["title"] == "Teutberga"
+    assert _top_title(address, "Teutberga") == "Teutberga"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert not list(addr_dir.glob("Host*_IP*.txt"))  # deregistered on shutdown
@@ -210,13 +215,7 @@ def test_serve_retrieval_on_a_tpu_worker_never_joins_the_cluster(tmp_path: Path)
   )  # fmt: skip
   try:
     address = _announced_address(proc, addr_dir)
-    req = urllib.request.Request(
-      f"http://{address}/retrieve",
-      data=json.dumps({"queries": ["Teutberga"], "topk": 1}).encode(),
-      headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-      assert json.loads(resp.read())["result"][0][0]["title"] == "Teutberga"
+    assert _top_title(address, "Teutberga") == "Teutberga"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert "jax.distributed.initialize was called" not in proc.stdout.read()
