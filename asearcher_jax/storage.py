@@ -1,4 +1,4 @@
-"""What every user of a gs:// run directory shares (weights store, checkpoints, journals).
+"""What every user of a gs:// run directory shares (weights store, checkpoints, journals, logs).
 
 Paths go through `etils.epath`, which reaches GCS through gcsfs. gcsfs caches directory listings
 per process and trusts them, for `exists` and for the size of a file it opens, until that process
@@ -11,8 +11,14 @@ filesystem exists.
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import os
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def is_url(path: Any) -> bool:
@@ -44,10 +50,8 @@ class ShippedJournal:
   """
 
   def __init__(self, local: str | os.PathLike, remote: str | os.PathLike, *, name: str) -> None:
-    from etils import epath
-
     self.local = os.path.abspath(os.fspath(local))
-    self.remote = epath.Path(os.fspath(remote) if is_url(remote) else os.path.abspath(remote))
+    self.remote = _epath(remote)
     self.name = name
     self.generation = 0
     self.shipped = 0  # bytes of the local journal already in sealed segments
@@ -72,10 +76,21 @@ class ShippedJournal:
       end = offset + path.stat().length
     return out
 
-  def open(self) -> int:
-    """Reconciles the local journal with the shipped one; returns the bytes restored."""
+  def _read_generation(self) -> None:
     pointer = self._pointer()
     self.generation = int(pointer.read_text()) if pointer.exists() else 0
+
+  def shipped_bytes(self) -> bytes | None:
+    """The journal as shipped (its current generation, up to the first gap); None when nothing
+    was ever shipped. What a reader of the run directory sees while the writer runs elsewhere."""
+    self._read_generation()
+    if not (self.remote / f"{self.name}.segments").exists():
+      return None
+    return b"".join(path.read_bytes() for _, path in self._segments())
+
+  def open(self) -> int:
+    """Reconciles the local journal with the shipped one; returns the bytes restored."""
+    self._read_generation()
     segments = self._segments()
     end = segments[-1][0] + segments[-1][1].stat().length if segments else 0
     have = os.path.getsize(self.local) if os.path.exists(self.local) else 0
@@ -120,3 +135,135 @@ class ShippedJournal:
       if folder.name != f"g{self.generation:06d}":
         folder.rmtree(missing_ok=True)
     return shipped
+
+
+def _epath(path: str | os.PathLike):
+  from etils import epath
+
+  return epath.Path(os.fspath(path) if is_url(path) else os.path.abspath(path))
+
+
+def read_journal(path: str | os.PathLike) -> bytes | None:
+  """The bytes of an append-only journal at `path`: the file itself, else what a
+  `ShippedJournal` shipped there (`<path>.segments`, by a writer appending on its own disk);
+  None when neither exists."""
+  p = _epath(path)
+  if p.exists():
+    return p.read_bytes()
+  return ShippedJournal(os.devnull, p.parent, name=p.name).shipped_bytes()
+
+
+class ShippedLogs:
+  """A run's logs appended on local disk and shipped to the run directory on a bucket.
+
+  Each journal (a large append-only log, e.g. the episode export) is shipped in sealed segments
+  (`ShippedJournal`) under its writer's lock, so a segment ends on a whole record; each file that
+  matches `files` (small files that readers open whole: metrics.jsonl, TensorBoard events, the
+  resume log) is copied whole when it changed. `open` brings back what a replaced VM lost:
+  journals from their segments, files copied back (a `.jsonl` cut after its last full line, so
+  appends never follow a torn one). A thread ships every `every_s`; `close` ships a last time.
+  """
+
+  def __init__(
+    self,
+    local: str | os.PathLike,
+    remote: str | os.PathLike,
+    *,
+    journals: Mapping[str, threading.Lock],
+    files: Sequence[str],
+    every_s: float = 60.0,
+  ) -> None:
+    if every_s <= 0:
+      raise ValueError(f"every_s must be > 0, got {every_s}")
+    self.local = os.path.abspath(os.fspath(local))
+    self.remote = _epath(remote)
+    self.files = tuple(files)  # glob patterns relative to `local` ('/'-separated)
+    self.every_s = every_s
+    self._journals = {
+      name: (ShippedJournal(os.path.join(self.local, name), self._remote_dir(name),
+                            name=os.path.basename(name)), lock)
+      for name, lock in journals.items()
+    }  # fmt: skip
+    self._copied: dict[str, tuple[int, int]] = {}  # file -> (size, mtime_ns) last shipped
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._ship_lock = threading.Lock()
+
+  def _remote_dir(self, name: str):
+    parent = os.path.dirname(name)
+    return self.remote / parent if parent else self.remote
+
+  def _local_files(self) -> list[str]:
+    out = []
+    for folder, _, names in os.walk(self.local):
+      for n in names:
+        rel = os.path.relpath(os.path.join(folder, n), self.local).replace(os.sep, "/")
+        if any(fnmatch.fnmatch(rel, pat) for pat in self.files):
+          out.append(rel)
+    return sorted(out)
+
+  def open(self) -> int:
+    """Restores journals and files missing on local disk from the run directory; returns the
+    bytes restored."""
+    restored = sum(journal.open() for journal, _ in self._journals.values())
+    for pattern in self.files:
+      folder = self._remote_dir(pattern)
+      if not folder.exists():
+        continue
+      for remote in folder.iterdir():
+        rel = f"{os.path.dirname(pattern)}/{remote.name}".lstrip("/")
+        local = os.path.join(self.local, rel)
+        if os.path.exists(local) or not fnmatch.fnmatch(rel, pattern) or remote.is_dir():
+          continue
+        data = remote.read_bytes()
+        if rel.endswith(".jsonl"):
+          data = data[: data.rfind(b"\n") + 1]
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        with open(local, "wb") as f:
+          f.write(data)
+        st = os.stat(local)
+        self._copied[rel] = (st.st_size, st.st_mtime_ns)
+        restored += len(data)
+    if restored:
+      log.info("restored %d bytes of run logs from %s", restored, self.remote)
+    return restored
+
+  def ship(self) -> int:
+    """Ships what changed since the last shipment; returns the bytes shipped."""
+    with self._ship_lock:
+      shipped = 0
+      for journal, lock in self._journals.values():
+        with lock:
+          shipped += journal.ship()
+      for rel in self._local_files():
+        path = os.path.join(self.local, rel)
+        st = os.stat(path)
+        if self._copied.get(rel) == (st.st_size, st.st_mtime_ns):
+          continue
+        with open(path, "rb") as f:
+          data = f.read()
+        target = self.remote / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)  # one whole object: never appended on the bucket
+        self._copied[rel] = (st.st_size, st.st_mtime_ns)
+        shipped += len(data)
+      return shipped
+
+  def start(self) -> None:
+    self._thread = threading.Thread(target=self._loop, name="ship-logs", daemon=True)
+    self._thread.start()
+
+  def _loop(self) -> None:
+    while not self._stop.wait(self.every_s):
+      try:
+        self.ship()
+      except Exception:  # a transient bucket error: the next round ships the same bytes
+        log.exception("shipping run logs to %s failed; retrying in %.0f s", self.remote,
+                      self.every_s)  # fmt: skip
+
+  def close(self, timeout: float = 60.0) -> None:
+    """Stops the thread and ships a last time (what the run wrote up to its end)."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+    self.ship()

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from asearcher_jax import storage
 from asearcher_jax.agent import Agent, Limits, registry
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.apps import rehearsal, wiring
@@ -97,11 +98,14 @@ class TrainRun:
   toolbox: ToolBox | None = None
   retrieval: object | None = None
   remote: RemoteEngines | None = None
+  logs: storage.ShippedLogs | None = None  # logs appended locally, shipped to run_dir
 
   def start(self, *, retrieval_index_dir: str | None = None) -> int | None:
     """Restores the latest checkpoint (returns its version, None for a fresh run), starts the
     rollout loop, the run's own retrieval server on it (local tools), then admits groups."""
     version = self.trainer.restore()  # a resumed run publishes its restored version
+    if self.logs is not None:
+      self.logs.start()
     if version is None and self.config.remote.enabled:
       self.trainer.publish()  # servers may have started from any init (every process joins)
     if self.rollout is None:  # a non-lead trainer process: it follows process 0's batches
@@ -150,6 +154,8 @@ class TrainRun:
     if self.remote is not None:
       self.remote.stop()
     self.writer.close()
+    if self.logs is not None:
+      self.logs.close()  # after the writer: its last rows are shipped
     self.checkpointer.close()
     if self.replay is not None:
       self.replay.close()
@@ -252,12 +258,20 @@ def build_run(
       remote_cfg.address_files, remote_cfg.weights_dir, graphdef,
       client=client_cfg, sync=remote_cfg.sync,
     )  # fmt: skip
+  logs, local = None, run
   if config.journal_dir is None:
     replay_cfg = config.replay_config(str(run / "replay"))
   else:  # appended locally, shipped to the run directory
     replay_cfg = dataclasses.replace(
       config.replay_config(str(Path(config.journal_dir) / "replay")), ship_to=str(run / "replay")
     )
+    local = Path(config.journal_dir) / "run"
+  episode_log = EpisodeLog(local / EPISODES_FILE)
+  if config.journal_dir is not None:
+    logs = storage.ShippedLogs(
+      local, run, journals={EPISODES_FILE: episode_log.lock}, files=(RESUME_LOG, "metrics/*")
+    )
+    logs.open()  # before anything appends: a replaced VM's logs come back from run_dir
   replay = ReplayQueue(replay_cfg, on_discard=lambda g: staleness.on_discard())
   toolbox = wiring.toolbox(
     config.tools, view=wiring.agent_view(agent_cfg), addr_dir=run / RETRIEVAL_ADDRS
@@ -293,15 +307,15 @@ def build_run(
     replay=replay,
     scorer=scorer,
     engine_stats=engine_stats,
-    episode_log=EpisodeLog(run / EPISODES_FILE),
-    resume_log=ResumeLog(run / RESUME_LOG),
+    episode_log=episode_log,
+    resume_log=ResumeLog(local / RESUME_LOG),
   )
   if not (run / "tokenizer" / "tokenizer.json").exists():  # the vocabulary of the exported ids
     policy.tokenizer.save(run / "tokenizer")
   if not (run / POLICY_CONFIG).exists():  # with the tokenizer: all `asearcher export` needs
     (run / POLICY_CONFIG).write_text(json.dumps(to_hf_config(policy.module.cfg), indent=2) + "\n")
   ckpt = Checkpointer(checkpoint_config(config, run))
-  writer = MetricWriter(run / "metrics")
+  writer = MetricWriter(local / "metrics")
   trainer = Trainer(
     config=_trainer_config(config),
     learner=learner,
@@ -317,7 +331,7 @@ def build_run(
   return TrainRun(
     config=config, tokenizer=policy.tokenizer, engine=eng, driver=drv, learner=learner,
     staleness=staleness, replay=replay, rollout=controller, trainer=trainer, checkpointer=ckpt,
-    writer=writer, run_dir=run, toolbox=toolbox, remote=remote,
+    writer=writer, run_dir=run, toolbox=toolbox, remote=remote, logs=logs,
   )  # fmt: skip
 
 

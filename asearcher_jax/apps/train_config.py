@@ -106,10 +106,12 @@ class TrainConfig:
   # Where checkpoints go; None: <run_dir>/checkpoints. A gs:// URL goes to Orbax as it is (its
   # tensorstore GCS driver writes every host's shards; no gcsfuse mount on the path).
   checkpoint_dir: str | None = None
-  # Where the replay logs are appended; None: <run_dir>/replay itself. On a pod, whose run_dir is
-  # a bucket mount (no appends there: gcsfuse re-uploads the whole object at every flush), a
-  # local disk: the logs are then shipped to <run_dir>/replay in sealed segments before each
-  # checkpoint and at each commit, and rebuilt from there where the local disk is gone.
+  # Where the run's logs are appended; None: <run_dir> itself. On a pod, whose run_dir is a
+  # bucket mount (no appends there: gcsfuse re-uploads the whole object at every flush), a local
+  # disk: the replay logs are shipped to <run_dir>/replay in sealed segments before each
+  # checkpoint and at each commit; the episode export (segments), the resume log and metrics/
+  # (whole files) every minute and at the end (`storage.ShippedLogs`); all rebuilt from there
+  # where the local disk is gone.
   journal_dir: str | None = None
   # Fail if no batch of accepted groups arrives within this long.
   batch_timeout_s: float = 600.0

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import storage
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.errors import AsearcherError
 
@@ -35,7 +36,7 @@ class EpisodeLog:
   def __init__(self, path: str | Path) -> None:
     self.path = Path(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    self._lock = threading.Lock()
+    self.lock = threading.Lock()  # held by an append and by `storage.ShippedLogs` shipping it
 
   def append_group(
     self,
@@ -74,7 +75,7 @@ class EpisodeLog:
     if not lines:
       return 0
     blob = gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), compresslevel=6)
-    with self._lock, self.path.open("ab") as f:
+    with self.lock, self.path.open("ab") as f:
       f.write(blob)
       f.flush()
     return len(lines)
@@ -98,13 +99,14 @@ def _members(raw: bytes) -> Iterator[bytes]:
 def read_episodes(path: str | Path) -> list[dict[str, Any]]:
   """Every complete record of an episode export (`trajectory` left as JSON). A member cut off by
   a crash is skipped (it was never acknowledged); a complete one that does not hold JSON
-  objects is corruption, an `AsearcherError` naming the file and line."""
-  path = Path(path)
-  if not path.exists():
+  objects is corruption, an `AsearcherError` naming the file and line. A log appended on the
+  trainer's own disk is read from the segments shipped to `path` (`storage.ShippedLogs`)."""
+  raw = storage.read_journal(path)  # a gs:// URL stays one
+  if raw is None:
     return []
   out = []
   n = 0
-  members = _members(path.read_bytes())
+  members = _members(raw)
   while True:
     try:
       chunk = next(members)

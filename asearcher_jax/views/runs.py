@@ -189,7 +189,11 @@ class RunDir:
   def episodes(self) -> list[Episode]:
     """Training episodes (in export order), then evaluation episodes (by directory, file)."""
     out = []
-    for path in self._find(EPISODES_FILE):
+    logs = self._find(EPISODES_FILE)
+    # A pod trainer's log, shipped in segments (`storage.ShippedLogs`): read where it would be.
+    logs += [s.parent / EPISODES_FILE for s in self._find(EPISODES_FILE + ".segments")
+             if s.parent / EPISODES_FILE not in logs]  # fmt: skip
+    for path in logs:
       out.extend(_train_episodes(path, self.root))
     for d in self.eval_dirs:
       out.extend(_eval_episodes(d))

@@ -40,6 +40,7 @@ from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.steps import OptimizerConfig
 from asearcher_jax.rl import trainer as trainer_lib
 from asearcher_jax.rl.audit import pending_on_disk, replay_logs
+from asearcher_jax.rl.episodes import EPISODES_FILE, read_episodes
 from asearcher_jax.rl.replay import (
   GROUPS_LOG,
   Group,
@@ -165,8 +166,12 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
   pushed, committed, discarded = replay_logs(logs[0])
   assert committed == trained1  # trained <=> committed after its checkpoint, once
   queued = pending_on_disk(logs[0])
-  if shipped:  # nothing appended in the run directory: sealed segments only
+  episodes1 = read_episodes(run_dir / EPISODES_FILE)
+  assert len(episodes1) >= 2 * len(trained1)
+  if shipped:  # nothing appended in the run directory: sealed segments and whole files only
     assert not (run_dir / "replay" / "groups.log").exists()
+    assert not (run_dir / EPISODES_FILE).exists()
+    assert (run_dir / "metrics" / "metrics.jsonl").exists()
     shutil.rmtree(local[0])
   assert sorted(pushed) == sorted(committed + discarded + queued)  # nothing vanished
 
@@ -203,6 +208,8 @@ def test_async_training_resumes_without_losing_or_repeating_groups(
   assert sorted(pushed) == sorted(committed + discarded + pending_on_disk(logs[1]))
   assert len(pushed) == len(set(pushed))  # no item's group was generated twice
   check_token_versions(logs[1], committed, eta=1)
+  episodes2 = read_episodes(run_dir / EPISODES_FILE)  # both lives' episodes, in order
+  assert episodes2[: len(episodes1)] == episodes1 and len(episodes2) > len(episodes1)
   metrics = [
     json.loads(x) for x in (run_dir / "metrics" / "metrics.jsonl").read_text().split("\n") if x
   ]
