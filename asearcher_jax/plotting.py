@@ -98,6 +98,34 @@ def curves_figure(
   return fig
 
 
+def overlay_figure(
+  panels: Sequence[tuple[str, Mapping[str, Points]]],
+  *,
+  xlabel: str = "training step (policy version)",
+  smoothing: float = DEFAULT_SMOOTHING,
+  columns: int = 2,
+) -> Any:
+  """A figure with one panel per (title, {label: points}): every label's curve (smoothed over
+  raw) overlaid, one colour each, a legend per panel. Runs side by side (a sweep's points)."""
+  import matplotlib.pyplot as plt
+
+  columns = max(1, min(columns, len(panels)))
+  rows = max(1, math.ceil(len(panels) / columns))
+  fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.6 * rows), squeeze=False)
+  for ax, (title, curves) in zip(axes.flat, panels):
+    for label, pts in curves.items():
+      plot_curve(ax, pts, label=label, smoothing=smoothing)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    if curves:
+      ax.legend(fontsize="small")
+  for ax in list(axes.flat)[len(panels) :]:
+    ax.set_visible(False)
+  fig.tight_layout()
+  return fig
+
+
 def binned_means(xs: Sequence[float], ys: Sequence[float]) -> list[tuple[float, float]]:
   """(x, mean of the ys at that x) for each distinct x, in order: the smoothed view of a scatter
   over a discrete axis (accuracy per number of turns)."""

@@ -301,12 +301,15 @@ def stop(spec: ClusterSpec, grace_s: int = 60) -> list[Command]:
 
 
 def fetch(spec: ClusterSpec, to: str) -> list[Command]:
-  """The run's last metrics and operative config from the bucket into the local directory `to`
-  (a sweep's point directory: its table reads `to`/metrics/metrics.jsonl)."""
+  """The run's metrics (metrics.jsonl and TensorBoard's event files), episode export and operative
+  config from the bucket into the local directory `to` (a sweep's point directory: its table
+  reads `to`/metrics/metrics.jsonl, `asearcher inspect` the episodes). The episode export is the
+  trainer's shipped segments (`storage.ShippedLogs`), which readers read as one file."""
   train = f"{spec.bucket}/{spec.run_dir or 'runs/' + spec.name}/train"
   return [
-    Command(argv=("gcloud", "storage", "cp", f"{train}/metrics/metrics.jsonl",
-                  f"{to}/metrics/metrics.jsonl")),
+    Command(argv=("gcloud", "storage", "cp", "--recursive", f"{train}/metrics", to)),
+    Command(argv=("gcloud", "storage", "cp", "--recursive",
+                  f"{train}/episodes.jsonl.gz.segments", to)),
     Command(argv=("gcloud", "storage", "cp", f"{train}/operative_config.gin",
                   f"{to}/operative_config.gin")),
   ]  # fmt: skip

@@ -11,13 +11,18 @@ Every point is a separate `python -m asearcher_jax.main` process (its own XLA ru
 that crashes does not take the sweep with it), and leaves in its run directory `command.json`
 (the exact argv), `operative_config.gin` (gin's operative config of that run), its log and
 `summary.json` (the command's own, else the JSON its last output line printed). A point whose
-summary exists is not run again, so an interrupted sweep resumes. The table (`results.md`,
-`results.jsonl` under root) has one row per point: its bindings, then the chosen metrics from
-summary.json and from the last row of metrics/metrics.jsonl ("last/" prefix) when there is one.
+summary exists is not run again, so an interrupted sweep resumes. `parallel` points run at once.
+The table (`results.md`, `results.jsonl` under root) has one row per point: its bindings, then
+the chosen metrics from summary.json (the command's own figures: a quickstart's evaluation
+scores), from the last row of metrics/metrics.jsonl ("last/" prefix) and, since one step's
+figure of an RL run is noise, each metric's smoothed final value ("smooth/" prefix: the
+debiased moving average TensorBoard draws, `plotting.smooth`, at the last step). `curves` names
+metrics.jsonl keys drawn for every point overlaid, one panel a key, in `curves.png`.
 
 With `launch_spec` (a launch TOML spec) every point is instead a launched run of that spec on
 `launch_backend` ("local": the roles as processes on this machine; "gcloud": the spec's slices,
-already up and set up, reused point after point): `python -m launch start --run_dir D` with the
+already up and set up, reused point after point; several specs are several slice sets, each
+running its share of the points, all at once): `python -m launch start --run_dir D` with the
 point's bindings as --gin_param, a wait for the trainer's end, `stop`, the trainer's summary
 from `logs` and (gcloud) its metrics from `fetch` (asearcher_jax/apps/sweep_launch.py; gin/sweeps/recipe_tiny_launch.gin and
 asearcher_local_7b_v5p.gin). A point whose launch fails is a failed row and the sweep goes on.
@@ -30,14 +35,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from asearcher_jax import plotting
 from asearcher_jax.apps import gin_config, sweep_launch
 from asearcher_jax.errors import AsearcherError, ConfigValueError
 
@@ -114,16 +122,85 @@ def run_point(
   return summary, "ran"
 
 
-def row_of(run_dir: Path, point: Mapping[str, str], summary: dict | None, status: str) -> dict:
+def metric_rows(run_dir: Path) -> list[dict]:
+  """A point's metrics.jsonl rows (its own, or a launched point's trainer's under train/), the
+  last row of a step winning (a resumed run writes a step again); a torn last line skipped."""
+  for metrics in (run_dir / "metrics" / "metrics.jsonl",
+                  run_dir / "train" / "metrics" / "metrics.jsonl"):  # fmt: skip
+    if metrics.exists():
+      by_step: dict[int, dict] = {}
+      for line in metrics.read_text().splitlines():
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        if isinstance(row, dict) and "step" in row:
+          by_step[int(row["step"])] = row
+      return [by_step[k] for k in sorted(by_step)]
+  return []
+
+
+def series(rows: Sequence[Mapping], key: str) -> list[tuple[float, float]]:
+  """(step, value) of `key` over metric rows, where it is a finite number."""
+  return [(float(r["step"]), float(r[key])) for r in rows
+          if isinstance(r.get(key), int | float) and math.isfinite(r[key])]  # fmt: skip
+
+
+def row_of(
+  run_dir: Path,
+  point: Mapping[str, str],
+  summary: dict | None,
+  status: str,
+  smoothing: float = plotting.DEFAULT_SMOOTHING,
+) -> dict:
   row = {"point": run_dir.name, **{k.rsplit(".", 1)[-1]: v for k, v in point.items()},
          "status": status}  # fmt: skip
   row.update(_scalars(summary or {}))
-  for metrics in (run_dir / "metrics" / "metrics.jsonl",  # a launched point's trainer: train/
-                  run_dir / "train" / "metrics" / "metrics.jsonl"):  # fmt: skip
-    if metrics.exists() and (lines := metrics.read_text().strip().splitlines()):
-      row.update(_scalars(json.loads(lines[-1]), "last/"))
-      break
+  rows = metric_rows(run_dir)
+  if rows:
+    row.update(_scalars(rows[-1], "last/"))
+    keys = dict.fromkeys(k for r in rows for k in r if k not in ("step", "time"))
+    for key in keys:
+      if pts := series(rows, key):
+        row[f"smooth/{key}"] = float(plotting.smooth([v for _, v in pts], smoothing)[-1])
   return row
+
+
+def curves_png(path: Path, run_dirs: Sequence[Path], keys: Sequence[str], smoothing: float) -> None:
+  """Every point's curve of each metric in `keys`, overlaid, one panel a key."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = {d.name: metric_rows(d) for d in run_dirs}
+  panels = [(key, {name: pts for name, r in rows.items() if (pts := series(r, key))})
+            for key in keys]  # fmt: skip
+  fig = plotting.overlay_figure(panels, smoothing=smoothing)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def run_lanes(jobs: Sequence[Callable[[], tuple[dict | None, str]]], lanes: int) -> list[tuple]:
+  """Runs the jobs on `lanes` threads, job i on lane i % lanes, each lane's jobs in order (a
+  lane is one slice set, or one slot of `parallel`); returns their results in job order. A job
+  that raises is a failed point, not a dead sweep."""
+  results: list[tuple | None] = [None] * len(jobs)
+
+  def lane(k: int) -> None:
+    for i in range(k, len(jobs), lanes):
+      try:
+        results[i] = jobs[i]()
+      except Exception as e:  # one point's crash is that point's row, not a dead sweep
+        results[i] = (None, f"failed: {type(e).__name__}: {e}")
+
+  threads = [threading.Thread(target=lane, args=(k,), name=f"sweep-lane-{k}")
+             for k in range(min(lanes, len(jobs)))]  # fmt: skip
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return results  # type: ignore[return-value]
 
 
 def table(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
@@ -167,7 +244,10 @@ def sweep(
   metrics: Sequence[str] = (),
   gin_params: Sequence[str] = (),
   timeout_s: float = 7200.0,
-  launch_spec: str | None = None,
+  parallel: int = 1,
+  curves: Sequence[str] = (),
+  smoothing: float = plotting.DEFAULT_SMOOTHING,
+  launch_spec: str | Sequence[str] | None = None,
   launch_backend: str = "local",
   dry_run: bool = False,
 ) -> int:
@@ -182,8 +262,12 @@ def sweep(
     root: where the points' run directories and the results go.
     metrics: columns of the table after the bindings; () = every scalar of the first summary.
     timeout_s: longest run of one point (with launch_spec: from `start` to the trainer's end).
-    launch_spec: a launch TOML spec (launch/specs/*.toml): every point runs as a launched run
-      of it (its trainer, servers and retrieval server; `command` must be "train"), see
+    parallel: local process points run at once (each its own process; mind the cores).
+    curves: metrics.jsonl keys drawn in root/curves.png, every point overlaid.
+    smoothing: the moving average's weight of the smoothed columns and curves (0 = raw).
+    launch_spec: a launch TOML spec (launch/specs/*.toml), or several (slice sets): every point
+      runs as a launched run (its trainer, servers and retrieval server; `command` must be
+      "train"), point i on spec i % len(specs), the specs' points at once, see
       asearcher_jax/apps/sweep_launch.py. None: every point is a local process.
     launch_backend: "local" or "gcloud" (the spec's slices, already `up` and `setup`).
     dry_run: print every point's commands and run nothing.
@@ -191,17 +275,27 @@ def sweep(
   todo = expand(grid or {}, points)
   if not todo:
     raise ConfigValueError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
+  if parallel < 1:
+    raise ConfigValueError(f"sweeping.sweep.parallel: at least 1 point at a time, got {parallel}")
+  if not 0.0 <= smoothing < 1.0:
+    raise ConfigValueError(f"sweeping.sweep.smoothing: a weight in [0, 1), got {smoothing}")
   out = Path(root)
   names = [point_name(i, p) for i, p in enumerate(todo)]
-  if launch_spec is not None:  # a mistake is one line before any point starts
+  specs = [launch_spec] if isinstance(launch_spec, str) else list(launch_spec or ())
+  if specs:  # a mistake is one line before any point starts
     if command != "train":
       raise ConfigValueError(
         f"sweeping.sweep.command: a launched point runs train, not {command!r}"
       )
+    if launch_backend == "local" and len(specs) > 1:
+      raise ConfigValueError(
+        "sweeping.sweep.launch_spec: several specs run at once on separate slice sets; the local "
+        "backend runs on this machine's ports, one point at a time: give one spec"
+      )
     launched = [
-      sweep_launch.launch_point(launch_spec, launch_backend, out, name,
+      sweep_launch.launch_point(specs[i % len(specs)], launch_backend, out, name,
                                 [*gin_params, *(f"{k}={v}" for k, v in point.items())])
-      for name, point in zip(names, todo, strict=True)
+      for i, (name, point) in enumerate(zip(names, todo, strict=True))
     ]  # fmt: skip
     sweep_launch.check(launched, names)
   argvs = []
@@ -212,34 +306,41 @@ def sweep(
             *(f"--gin_param={k}={v}" for k, v in point.items()),
             *([f"--gin_param={run_dir_param}={json.dumps(str(run_dir))}"] if run_dir_param else []),
             f"--operative_config={run_dir / 'operative_config.gin'}"])  # fmt: skip
-  if launch_spec is None:
+  if not specs:
     check_points(argvs, names)
-  rows = []
-  for i, (point, argv) in enumerate(zip(todo, argvs, strict=True)):
-    run_dir = out / point_name(i, point)
-    if launch_spec is not None:
-      lp = launched[i]
-      if dry_run:
-        print("\n".join(f"sweep: {run_dir.name}: {c}" for c in sweep_launch.plan(lp, timeout_s)))
-        continue
-      print(f"sweep: {run_dir.name} (launch {launch_backend}) ...", flush=True)
-      summary, status = sweep_launch.run(lp, run_dir, timeout_s)
-    elif dry_run:
-      print(f"sweep: {run_dir.name}: {shlex.join(argv)}")
-      continue
-    else:
-      print(f"sweep: {run_dir.name} ...", flush=True)
-      summary, status = run_point(argv, run_dir, timeout_s)
-    print(f"sweep: {run_dir.name} {status}", flush=True)
-    rows.append(row_of(run_dir, point, summary, status))
+  run_dirs = [out / name for name in names]
   if dry_run:
+    for i, run_dir in enumerate(run_dirs):
+      lines = sweep_launch.plan(launched[i], timeout_s) if specs else [shlex.join(argvs[i])]
+      print("\n".join(f"sweep: {run_dir.name}: {c}" for c in lines))
     return 0
+
+  def job(i: int) -> Callable[[], tuple[dict | None, str]]:
+    def go() -> tuple[dict | None, str]:
+      where = f" (launch {launch_backend}, {Path(launched[i].spec).name})" if specs else ""
+      print(f"sweep: {names[i]}{where} ...", flush=True)
+      if specs:
+        result = sweep_launch.run(launched[i], run_dirs[i], timeout_s)
+      else:
+        result = run_point(argvs[i], run_dirs[i], timeout_s)
+      print(f"sweep: {names[i]} {result[1]}", flush=True)
+      return result
+
+    return go
+
+  results = run_lanes([job(i) for i in range(len(todo))], len(specs) or parallel)
+  rows = [row_of(d, p, summary, status, smoothing)
+          for d, p, (summary, status) in zip(run_dirs, todo, results, strict=True)]  # fmt: skip
   keys = [k.rsplit(".", 1)[-1] for k in dict.fromkeys(k for p in todo for k in p)]
   first = next((r for r in rows if r["status"] != "failed"), rows[0])
-  chosen = list(metrics) or [k for k in first if k not in {"point", "status", *keys}]
+  chosen = list(metrics) or [
+    k for k in first if k not in {"point", "status", *keys} and not k.startswith("smooth/")
+  ]
   text = table(rows, ["point", *keys, *chosen, "status"])
   out.mkdir(parents=True, exist_ok=True)
   (out / "results.md").write_text(text + "\n")
   (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  if curves:
+    curves_png(out / "curves.png", run_dirs, curves, smoothing)
   print(text, flush=True)
   return 0 if all(r["status"] in ("ran", "done before") for r in rows) else 1

@@ -13,7 +13,8 @@ below). Then per point, each a `python -m launch ACTION --backend B --spec S --r
           STATUS_FAILURES failed `status` calls in a row, e.g. a preempted slice, fail it)
   stop    always, also after a failed start or a timeout (nothing is left running)
   logs    `--lines 5`: the trainer's last JSON line is its summary
-  fetch   gcloud: the run's metrics and operative config from the bucket into the point's dir
+  fetch   gcloud: the run's metrics (TensorBoard files too), episodes and operative config from
+          the bucket into the point's dir
 Every launch call and the wait have timeouts. The run directory D is the point's own directory
 with the local backend (the trainer's metrics land in D/train/metrics), and
 sweeps/<sweep root's name>/<point> under the spec's bucket with gcloud.
@@ -226,7 +227,7 @@ def run(p: LaunchPoint, point_dir: Path, timeout_s: float) -> tuple[dict | None,
   summary = _summary(out) if rc == 0 else None
   if summary is None:
     return None, f"no summary (the trainer's log ends without one; see {point_dir / 'sweep.log'})"
-  if p.backend == "gcloud":  # the last metrics row for the table; a failed copy only loses it
+  if p.backend == "gcloud":  # metrics for the table and curves; a failed copy only loses them
     _call(p, "fetch", log)
   summary.setdefault("sweep_wall_s", round(time.monotonic() - t0, 1))
   (point_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

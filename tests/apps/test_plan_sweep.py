@@ -158,3 +158,85 @@ def test_sweep_of_the_ci_sized_quickstart(tiny_run):
     assert 0.0 <= r["avg4_rl"] <= 1.0 and r["wall_s"] > 0
     op = (root / r["point"] / "operative_config.gin").read_text()
     assert f"StalenessConfig.max_staleness = {r['point'][-1]}" in op
+
+
+@pytest.mark.slow
+def test_sweep_compares_three_training_points_run_two_at_once(tmp_path):
+  """Three short CPU training runs, two at a time: the table holds each point's smoothed final
+  metrics (the moving average at its last step, from its own metrics.jsonl) beside the last raw
+  row, and curves.png overlays the three runs' curves."""
+  sweep_file = tmp_path / "s.gin"
+  sweep_file.write_text(f"""
+from __gin__ import dynamic_registration
+from asearcher_jax.apps import sweep as sweeping
+sweeping.sweep.command = "train"
+sweeping.sweep.gin_params = ("train_config.TrainConfig.train_steps=3",)
+sweeping.sweep.run_dir_param = "commands.train.run_dir"
+sweeping.sweep.root = "{tmp_path}/runs"
+sweeping.sweep.grid = {{"steps.OptimizerConfig.learning_rate": ("1e-5", "1e-4", "1e-3")}}
+sweeping.sweep.parallel = 2
+sweeping.sweep.curves = ("ppo/loss", "rollout/reward")
+sweeping.sweep.metrics = ("reward", "smooth/rollout/reward", "last/rollout/reward")
+""")
+  rc, out = run_main(["sweep", str(sweep_file)])
+  assert rc == 0, out
+  root = tmp_path / "runs"
+  rows = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()]
+  assert [r["point"] for r in rows] == [
+    "p00-learning_rate=1e-5", "p01-learning_rate=1e-4", "p02-learning_rate=1e-3",
+  ]  # fmt: skip
+  spans = []  # (start, end) of each point's run, from the files it wrote first and last
+  for r in rows:
+    assert r["status"] == "ran"
+    metrics = sweeping.metric_rows(root / r["point"])
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    rewards = [m["rollout/reward"] for m in metrics if "rollout/reward" in m]
+    # The smoothed column is the debiased moving average of the point's own curve, not its
+    # last raw value (which is the last/ column).
+    want = sweeping.plotting.smooth(rewards)[-1]
+    assert r["smooth/rollout/reward"] == pytest.approx(want)
+    assert r["last/rollout/reward"] == pytest.approx(rewards[-1])
+    assert "step 3" in (root / r["point"] / "sweep.log").read_text()
+    spans.append(((root / r["point"] / "command.json").stat().st_mtime,
+                  (root / r["point"] / "summary.json").stat().st_mtime))  # fmt: skip
+  # Two at once: the second point started before the first ended, the third only after one of
+  # them ended; the printed table holds the smoothed column.
+  assert spans[1][0] < spans[0][1] and spans[2][0] >= min(spans[0][1], spans[1][1]) - 1.0
+  header = out[out.index("| point |") :].splitlines()[0]
+  assert header == (
+    "| point | learning_rate | reward | smooth/rollout/reward | last/rollout/reward | status |"
+  )
+  png = root / "curves.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+  lane = {line.split()[1] for line in out.splitlines() if line.endswith(" ...")}
+  assert lane == {r["point"] for r in rows}
+
+
+def test_sweep_lanes_run_points_at_once_in_order_per_lane():
+  """`run_lanes`: job i on lane i % lanes, lanes concurrent, each lane in order; a job that
+  raises is its own failed row."""
+  import threading
+  import time
+
+  started: list[tuple[int, float]] = []
+  lock = threading.Lock()
+  barrier = threading.Barrier(2, timeout=10)
+
+  def job(i):
+    def go():
+      with lock:
+        started.append((i, time.monotonic()))
+      if i < 2:
+        barrier.wait()  # jobs 0 and 1 can only pass together: two lanes at once
+      if i == 3:
+        raise RuntimeError("boom")
+      return {"i": i}, "ran"
+
+    return go
+
+  results = sweeping.run_lanes([job(i) for i in range(5)], 2)
+  assert [r[0] for r in results[:3]] == [{"i": 0}, {"i": 1}, {"i": 2}]
+  assert results[3] == (None, "failed: RuntimeError: boom") and results[4][1] == "ran"
+  order = [i for i, _ in sorted(started, key=lambda x: x[1])]
+  assert order.index(0) < order.index(2) < order.index(4)  # lane 0 in order
+  assert order.index(1) < order.index(3)  # lane 1 in order

@@ -85,14 +85,16 @@ def test_gcloud_dry_run_prints_every_points_launch_commands(tmp_path):
   for c in trainers:
     assert "staleness.StalenessConfig.max_staleness=4" in c
     assert f"/mnt/asearcher/sweeps/v5p/{p01}/train" in c
-  # Its fetch: the point's metrics and operative config from the bucket into its local dir.
+  # Its fetch: the point's metrics (TensorBoard files too), episodes and operative config from
+  # the bucket into its local dir.
   fetch = shlex.split(lines[9].split(": ", 2)[2])[3:]
   printed = io.StringIO()
   with contextlib.redirect_stdout(printed):
     assert launch_cli.main([*fetch, "--dry-run"]) == 0
   train = f"gs://my-bucket/sweeps/v5p/{p01}/train"
   assert printed.getvalue().splitlines() == [
-    f"gcloud storage cp {train}/metrics/metrics.jsonl {root / p01}/metrics/metrics.jsonl",
+    f"gcloud storage cp --recursive {train}/metrics {root / p01}",
+    f"gcloud storage cp --recursive {train}/episodes.jsonl.gz.segments {root / p01}",
     f"gcloud storage cp {train}/operative_config.gin {root / p01}/operative_config.gin",
   ]
   err = io.StringIO()
