@@ -267,3 +267,38 @@ class ShippedLogs:
     if self._thread is not None:
       self._thread.join(timeout)
     self.ship()
+
+
+# What a view of a run never reads: weights, optimiser state and the replay queue's token arrays
+# (GBs on a pod run); everything else a run writes is small text.
+HEAVY = ("checkpoints", "replay", "weights", "compile_cache")
+
+
+def mirror(url: str, dest: str | os.PathLike, *, skip: Sequence[str] = HEAVY) -> int:
+  """Copies the files under the gs:// (or any epath) directory `url` into the local `dest`,
+  leaving out directories named in `skip`; a file already there with the same size is kept.
+  Returns the files copied. What the run views read a bucket's run directory through: they
+  walk a local tree."""
+  src = _epath(url)
+  if not src.exists():
+    raise FileNotFoundError(f"run directory {url} does not exist")
+  copied = 0
+  todo = [(src, os.path.abspath(os.fspath(dest)))]
+  while todo:
+    folder, local = todo.pop()
+    os.makedirs(local, exist_ok=True)
+    for entry in folder.iterdir():
+      target = os.path.join(local, entry.name)
+      if entry.is_dir():
+        if entry.name not in skip:
+          todo.append((entry, target))
+        continue
+      size = entry.stat().length
+      if os.path.exists(target) and os.path.getsize(target) == size:
+        continue
+      tmp = target + ".part"
+      with open(tmp, "wb") as f:
+        f.write(entry.read_bytes())
+      os.replace(tmp, target)
+      copied += 1
+  return copied

@@ -13,10 +13,13 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import storage
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.errors import AsearcherError
 from asearcher_jax.evaluation import metrics as eval_metrics
@@ -155,12 +158,41 @@ def _eval_episodes(config_dir: Path) -> list[Episode]:
   return out
 
 
+# A small real run shipped with the package (`sample_run`): the views and notebooks have
+# something to show before the user's first run.
+SAMPLE_RUN = Path(__file__).resolve().parents[1] / "assets" / "sample_run"
+
+
+def sample_run() -> Path:
+  """The shipped sample run: the CI-size quickstart's episodes, evaluations, metrics and report
+  (asearcher_jax/assets/sample_run/README.md says how it was made)."""
+  return SAMPLE_RUN
+
+
+def mirror_dir(url: str) -> Path:
+  """Where a bucket's run directory is mirrored for reading ($ASEARCHER_HOME/mirrors/...)."""
+  home = Path(os.environ.get("ASEARCHER_HOME") or Path.home() / ".cache" / "asearcher_jax")
+  return home / "mirrors" / re.sub(r"[^A-Za-z0-9_.-]+", "_", url.split("://", 1)[1].strip("/"))
+
+
 class RunDir:
-  """Everything inspectable under one directory (searched recursively, lazily)."""
+  """Everything inspectable under one directory (searched recursively, lazily). A gs:// URL is
+  mirrored to local disk first (`storage.mirror`: everything but checkpoints, replay and
+  weights), and read there."""
 
   def __init__(self, root: str | Path) -> None:
     if not str(root).strip():
       raise AsearcherError("no run directory given (an empty path)")
+    if storage.is_url(root):
+      local = mirror_dir(str(root))
+      try:
+        storage.mirror(str(root), local)
+      except (FileNotFoundError, OSError) as e:
+        raise AsearcherError(f"cannot read run directory {root}: {e}") from None
+      self.url: str | None = str(root)
+      root = local
+    else:
+      self.url = None
     self.root = Path(root)
     if self.root.is_file():
       raise AsearcherError(f"{str(self.root)!r} is a file, not a run directory")
