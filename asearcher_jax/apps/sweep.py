@@ -16,11 +16,11 @@ The table (`results.md`, `results.jsonl` under root) has one row per point: its 
 the chosen metrics from summary.json (the command's own figures: a quickstart's evaluation
 scores), from the last row of metrics/metrics.jsonl ("last/" prefix) and, since one step's
 figure of an RL run is noise, each metric's smoothed final value ("smooth/" prefix: the
-debiased moving average TensorBoard draws, `plotting.smooth`, at the last step). `curves` names
-metrics.jsonl keys drawn for every point overlaid, one panel a key, in `curves.png`.
+debiased moving average TensorBoard draws, `plotting.smooth`, at the last step). `Table.curves`
+names metrics.jsonl keys drawn for every point overlaid, one panel a key, in `curves.png`.
 
-With `launch_spec` (a launch TOML spec) every point is instead a launched run of that spec on
-`launch_backend` ("local": the roles as processes on this machine; "gcloud": the spec's slices,
+With `launch` (`Launch`: a launch TOML spec) every point is instead a launched run of that spec on
+its backend ("local": the roles as processes on this machine; "gcloud": the spec's slices,
 already up and set up, reused point after point; several specs are several slice sets, each
 running its share of the points, all at once): `python -m launch start --run_dir D` with the
 point's bindings as --gin_param, a wait for the trainer's end, `stop`, the trainer's summary
@@ -33,6 +33,7 @@ sweep before the first starts.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -203,7 +204,7 @@ def run_lanes(jobs: Sequence[Callable[[], tuple[dict | None, str]]], lanes: int)
   return results  # type: ignore[return-value]
 
 
-def table(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
+def markdown_table(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
   """A markdown table of `columns` (missing values blank; floats to 4 significant digits)."""
 
   def cell(v) -> str:
@@ -233,6 +234,42 @@ def check_points(argvs: Sequence[Sequence[str]], names: Sequence[str]) -> None:
     raise ConfigValueError(f"sweep: {bad[0][0]}: {bad[0][1]}{more}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Table:
+  """What the results table and the curves show."""
+
+  # Columns after the bindings; () = every scalar of the first summary (and of the last metrics
+  # row, "last/"). "smooth/<key>" is a metric's smoothed final value.
+  metrics: tuple[str, ...] = ()
+  # metrics.jsonl keys drawn in root/curves.png, every point overlaid; () = no figure.
+  curves: tuple[str, ...] = ()
+  # The moving average's weight of the smoothed columns and curves (0 = raw).
+  smoothing: float = plotting.DEFAULT_SMOOTHING
+
+  def __post_init__(self):
+    if not 0.0 <= self.smoothing < 1.0:
+      raise ConfigValueError(f"sweeping.Table.smoothing: a weight in [0, 1), got {self.smoothing}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+  """Points as launched runs (asearcher_jax/apps/sweep_launch.py) instead of local processes."""
+
+  # A launch TOML spec (launch/specs/*.toml), or several (slice sets): point i runs on spec
+  # i % len(specs), the specs' points at once.
+  spec: str | tuple[str, ...]
+  # "local" (the roles as processes on this machine, one spec) or "gcloud" (the spec's slices,
+  # already `up` and `setup`).
+  backend: str = "local"
+
+  @property
+  def specs(self) -> list[str]:
+    return [self.spec] if isinstance(self.spec, str) else list(self.spec)
+
+
+DEFAULT_TABLE = Table()
+
+
 def sweep(
   *,
   command: str = "train",
@@ -241,14 +278,11 @@ def sweep(
   points: Sequence[Mapping[str, str]] = (),
   run_dir_param: str | None = None,
   root: str = "runs/sweep",
-  metrics: Sequence[str] = (),
+  table: Table = DEFAULT_TABLE,
   gin_params: Sequence[str] = (),
   timeout_s: float = 7200.0,
   parallel: int = 1,
-  curves: Sequence[str] = (),
-  smoothing: float = plotting.DEFAULT_SMOOTHING,
-  launch_spec: str | Sequence[str] | None = None,
-  launch_backend: str = "local",
+  launch: Launch | None = None,
   dry_run: bool = False,
 ) -> int:
   """Runs every point and prints the merged table; 1 if any point failed.
@@ -260,16 +294,12 @@ def sweep(
     run_dir_param: the binding set to root/<point name> (None: the command has no run dir;
       its outputs are still kept there).
     root: where the points' run directories and the results go.
-    metrics: columns of the table after the bindings; () = every scalar of the first summary.
-    timeout_s: longest run of one point (with launch_spec: from `start` to the trainer's end).
+    table: the table's columns and the curves (`Table`).
+    timeout_s: longest run of one point (launched: from `start` to the trainer's end).
     parallel: local process points run at once (each its own process; mind the cores).
-    curves: metrics.jsonl keys drawn in root/curves.png, every point overlaid.
-    smoothing: the moving average's weight of the smoothed columns and curves (0 = raw).
-    launch_spec: a launch TOML spec (launch/specs/*.toml), or several (slice sets): every point
-      runs as a launched run (its trainer, servers and retrieval server; `command` must be
-      "train"), point i on spec i % len(specs), the specs' points at once, see
-      asearcher_jax/apps/sweep_launch.py. None: every point is a local process.
-    launch_backend: "local" or "gcloud" (the spec's slices, already `up` and `setup`).
+    launch: every point a launched run (its trainer, servers and retrieval server; `command`
+      must be "train"), see `Launch` and asearcher_jax/apps/sweep_launch.py. None: every point
+      is a local process.
     dry_run: print every point's commands and run nothing.
   """
   todo = expand(grid or {}, points)
@@ -277,23 +307,22 @@ def sweep(
     raise ConfigValueError("sweep: no points (bind sweeping.sweep.grid or sweeping.sweep.points)")
   if parallel < 1:
     raise ConfigValueError(f"sweeping.sweep.parallel: at least 1 point at a time, got {parallel}")
-  if not 0.0 <= smoothing < 1.0:
-    raise ConfigValueError(f"sweeping.sweep.smoothing: a weight in [0, 1), got {smoothing}")
   out = Path(root)
   names = [point_name(i, p) for i, p in enumerate(todo)]
-  specs = [launch_spec] if isinstance(launch_spec, str) else list(launch_spec or ())
+  specs = launch.specs if launch is not None else []
+  backend = launch.backend if launch is not None else "local"
   if specs:  # a mistake is one line before any point starts
     if command != "train":
       raise ConfigValueError(
         f"sweeping.sweep.command: a launched point runs train, not {command!r}"
       )
-    if launch_backend == "local" and len(specs) > 1:
+    if backend == "local" and len(specs) > 1:
       raise ConfigValueError(
-        "sweeping.sweep.launch_spec: several specs run at once on separate slice sets; the local "
+        "sweeping.Launch.spec: several specs run at once on separate slice sets; the local "
         "backend runs on this machine's ports, one point at a time: give one spec"
       )
     launched = [
-      sweep_launch.launch_point(specs[i % len(specs)], launch_backend, out, name,
+      sweep_launch.launch_point(specs[i % len(specs)], backend, out, name,
                                 [*gin_params, *(f"{k}={v}" for k, v in point.items())])
       for i, (name, point) in enumerate(zip(names, todo, strict=True))
     ]  # fmt: skip
@@ -317,7 +346,7 @@ def sweep(
 
   def job(i: int) -> Callable[[], tuple[dict | None, str]]:
     def go() -> tuple[dict | None, str]:
-      where = f" (launch {launch_backend}, {Path(launched[i].spec).name})" if specs else ""
+      where = f" (launch {backend}, {Path(launched[i].spec).name})" if specs else ""
       print(f"sweep: {names[i]}{where} ...", flush=True)
       if specs:
         result = sweep_launch.run(launched[i], run_dirs[i], timeout_s)
@@ -329,18 +358,18 @@ def sweep(
     return go
 
   results = run_lanes([job(i) for i in range(len(todo))], len(specs) or parallel)
-  rows = [row_of(d, p, summary, status, smoothing)
+  rows = [row_of(d, p, summary, status, table.smoothing)
           for d, p, (summary, status) in zip(run_dirs, todo, results, strict=True)]  # fmt: skip
   keys = [k.rsplit(".", 1)[-1] for k in dict.fromkeys(k for p in todo for k in p)]
   first = next((r for r in rows if r["status"] != "failed"), rows[0])
-  chosen = list(metrics) or [
+  chosen = list(table.metrics) or [
     k for k in first if k not in {"point", "status", *keys} and not k.startswith("smooth/")
   ]
-  text = table(rows, ["point", *keys, *chosen, "status"])
+  text = markdown_table(rows, ["point", *keys, *chosen, "status"])
   out.mkdir(parents=True, exist_ok=True)
   (out / "results.md").write_text(text + "\n")
   (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  if curves:
-    curves_png(out / "curves.png", run_dirs, curves, smoothing)
+  if table.curves:
+    curves_png(out / "curves.png", run_dirs, table.curves, table.smoothing)
   print(text, flush=True)
   return 0 if all(r["status"] in ("ran", "done before") for r in rows) else 1

@@ -1,4 +1,4 @@
-"""One sweep point run through `launch/` (`sweeping.sweep.launch_spec`): the point's bindings go to
+"""One sweep point run through `launch/` (`sweeping.sweep.launch`, `sweeping.Launch`): the point's bindings go to
 every role of a launched run with its own run directory, the sweep waits for the trainer's end,
 stops the run and reads the trainer's summary back, so a point on a pod lands in the same table
 as a local one.
@@ -66,11 +66,9 @@ class LaunchPoint:
 
 def launch_point(spec: str, backend: str, root: Path, name: str, params: list[str]) -> LaunchPoint:
   if backend not in POLL_S:
-    raise ConfigValueError(
-      f"sweeping.sweep.launch_backend: {backend!r} is not one of {list(POLL_S)}"
-    )
+    raise ConfigValueError(f"sweeping.Launch.backend: {backend!r} is not one of {list(POLL_S)}")
   if not Path(spec).is_file():
-    raise ConfigValueError(f"sweeping.sweep.launch_spec: no such file {spec!r}")
+    raise ConfigValueError(f"sweeping.Launch.spec: no such file {spec!r}")
   run_dir = str((root / name).resolve()) if backend == "local" else f"sweeps/{root.name}/{name}"
   return LaunchPoint(spec=str(Path(spec).resolve()), backend=backend, run_dir=run_dir,
                      gin_params=tuple(params), local_dir=str(root / name))  # fmt: skip

@@ -59,7 +59,7 @@ def test_sweep_expansion_names_and_table():
   assert sweeping.point_name(1, {"x.s": '"a b/c"'}) == "p01-s=_a_b_c_"
   with pytest.raises(Exception, match="non-empty tuple"):
     sweeping.expand({"a": "1e-4"}, [])
-  t = sweeping.table([{"point": "p0", "x": 0.123456, "y": None}], ["point", "x", "y"])
+  t = sweeping.markdown_table([{"point": "p0", "x": 0.123456, "y": None}], ["point", "x", "y"])
   assert t.splitlines()[2] == "| p0 | 0.1235 |  |"
 
 
@@ -78,7 +78,8 @@ sweeping.sweep.grid = {{
   "plan_memory.TrainerShape.chips": ("16", "64"),
   "plan_memory.TrainerShape.row_len": ("4096", "8192"),
 }}
-sweeping.sweep.metrics = ("train_step_s", "speedup_async_vs_sync")
+sweeping.sweep.table = @sweeping.Table()
+sweeping.Table.metrics = ("train_step_s", "speedup_async_vs_sync")
 """)
   rc, out = run_main(["sweep", str(sweep_file)])
   assert rc == 0, out
@@ -175,8 +176,9 @@ sweeping.sweep.run_dir_param = "commands.train.run_dir"
 sweeping.sweep.root = "{tmp_path}/runs"
 sweeping.sweep.grid = {{"steps.OptimizerConfig.learning_rate": ("1e-5", "1e-4", "1e-3")}}
 sweeping.sweep.parallel = 2
-sweeping.sweep.curves = ("ppo/loss", "rollout/reward")
-sweeping.sweep.metrics = ("reward", "smooth/rollout/reward", "last/rollout/reward")
+sweeping.sweep.table = @sweeping.Table()
+sweeping.Table.curves = ("ppo/loss", "rollout/reward")
+sweeping.Table.metrics = ("reward", "smooth/rollout/reward", "last/rollout/reward")
 """)
   rc, out = run_main(["sweep", str(sweep_file)])
   assert rc == 0, out

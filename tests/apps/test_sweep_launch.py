@@ -1,4 +1,4 @@
-"""`asearcher sweep` with `sweeping.sweep.launch_spec`: every point a launched run (`python -m
+"""`asearcher sweep` with `sweeping.sweep.launch` (`sweeping.Launch`): every point a launched run (`python -m
 launch start/stop/logs` processes). The gcloud path through its dry run (the exact per-point
 commands, and the launcher's own dry run of one of them); a launch that fails is a failed row and
 the sweep goes on; one real point on the local backend (retrieval server, one serve-model and one
@@ -108,26 +108,32 @@ def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_pa
   root = tmp_path / "s"
   rc_spec = f'sweeping.sweep.root="{root}"'
   for param, message in (
-    ('sweeping.sweep.launch_backend="xpk"', "launch_backend: 'xpk' is not one of"),
-    (f'sweeping.sweep.launch_spec="{tmp_path}/none.toml"', "launch_spec: no such file"),
+    ('sweeping.Launch.backend="xpk"', "Launch.backend: 'xpk' is not one of"),
+    (f'sweeping.Launch.spec="{tmp_path}/none.toml"', "Launch.spec: no such file"),
     ('sweeping.sweep.command="quickstart"', "a launched point runs train, not 'quickstart'"),
   ):
     rc, _, err = sweep(TINY_SWEEP, rc_spec, param)
-    assert (
-      rc == 2 and err.count("\n") == 1 and "asearcher sweep: config error: sweeping.sweep." in err
-    )
+    assert rc == 2 and err.count("\n") == 1 and "asearcher sweep: config error: sweeping." in err
     assert message in err
   assert not root.exists()
   bad = tmp_path / "bad.toml"
   bad.write_text(SPEC_1X1 + "servers = 3\n")  # the launcher's dry run of every point rejects it
-  rc, out, err = sweep(TINY_SWEEP, rc_spec, f'sweeping.sweep.launch_spec="{bad}"')
+  rc, out, err = sweep(
+    TINY_SWEEP, rc_spec, "sweeping.sweep.launch=@sweeping.Launch()", f'sweeping.Launch.spec="{bad}"'
+  )
   assert rc == 2 and out == "" and err.count("\n") == 1 and not root.exists()
   assert "sweep: p00-learning_rate=1e-5-max_staleness=0: launch start: spec error: " in err
   assert "unknown key(s) servers" in err and "(and 3 more points)" in err
   good = tmp_path / "good.toml"
   good.write_text(SPEC_1X1)
   typo = 'sweeping.sweep.points=({"staleness.StalenessConfig.max_stalenes": "2"},)'
-  rc, out, err = sweep(TINY_SWEEP, rc_spec, f'sweeping.sweep.launch_spec="{good}"', typo)
+  rc, out, err = sweep(
+    TINY_SWEEP,
+    rc_spec,
+    "sweeping.sweep.launch=@sweeping.Launch()",
+    f'sweeping.Launch.spec="{good}"',
+    typo,
+  )
   assert rc == 2 and out == "" and not root.exists()  # the last point's typo: nothing started
   assert (
     "sweep: p04-max_stalenes=2: launch start: spec error: the " in err and "max_stalenes" in err
@@ -136,7 +142,12 @@ def test_launch_mistakes_are_one_line_and_a_failed_launch_is_a_failed_row(tmp_pa
   real = sweep_launch._call
   monkeypatch.setattr(sweep_launch, "_call", lambda p, action, log: (
     (2, "") if action == "start" else real(p, action, log)))  # fmt: skip
-  rc, out, _ = sweep(TINY_SWEEP, rc_spec, f'sweeping.sweep.launch_spec="{good}"')
+  rc, out, _ = sweep(
+    TINY_SWEEP,
+    rc_spec,
+    "sweeping.sweep.launch=@sweeping.Launch()",
+    f'sweeping.Launch.spec="{good}"',
+  )
   assert rc == 1 and out.count("| launch start failed (2; see") == 4
   rows = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()]
   assert len(rows) == 4  # every point tried
@@ -153,7 +164,7 @@ def test_a_point_past_its_timeout_is_stopped_and_leaves_nothing(tmp_path, monkey
   spec.write_text(SPEC_1X1)
   root = tmp_path / "sweep"
   rc, out, _ = sweep(TINY_SWEEP, f'sweeping.sweep.root="{root}"',
-                     f'sweeping.sweep.launch_spec="{spec}"', "sweeping.sweep.timeout_s=5",
+                     "sweeping.sweep.launch=@sweeping.Launch()", f'sweeping.Launch.spec="{spec}"', "sweeping.sweep.timeout_s=5",
                      'sweeping.sweep.points=({"rollout.RolloutConfig.group_size": "2"},)',
                      'sweeping.sweep.grid={}')  # fmt: skip
   assert rc == 1 and out.count("| timed out after 5 s |") == 1
@@ -189,10 +200,11 @@ def test_one_local_launched_point_lands_in_the_table(tmp_path, monkeypatch):
   spec.write_text(SPEC_1X1)
   root = tmp_path / "sweep"
   params = (
-    f'sweeping.sweep.root="{root}"', f'sweeping.sweep.launch_spec="{spec}"',
+    f'sweeping.sweep.root="{root}"', "sweeping.sweep.launch=@sweeping.Launch()", f'sweeping.Launch.spec="{spec}"',
     'sweeping.sweep.grid={"staleness.StalenessConfig.max_staleness": ("4",)}',
     f"sweeping.sweep.gin_params={SMALLER!r}".replace("'", '"'), "sweeping.sweep.timeout_s=400",
-    'sweeping.sweep.metrics=("version", "groups_trained", "last/step")',
+    "sweeping.sweep.table=@sweeping.Table()",
+    'sweeping.Table.metrics=("version", "groups_trained", "last/step")',
   )  # fmt: skip
   try:
     rc, out, _ = sweep(TINY_SWEEP, *params)
