@@ -63,7 +63,15 @@ _ALIAS_FIELDS = ("answer_aliases", "aliases", "aug_answer")
 
 # The seven sets Search-R1 evaluates on, by the names its `data_source` column and FlashRAG's
 # dataset directories (RUC-NLPIR/FlashRAG_datasets: `{name}/{split}.jsonl`) both use.
-SEARCH_R1_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+SEARCH_R1_SOURCES = (
+  "nq",
+  "triviaqa",
+  "popqa",
+  "hotpotqa",
+  "2wikimultihopqa",
+  "musique",
+  "bamboogle",
+)
 
 
 class DatasetError(AsearcherError):
@@ -222,8 +230,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     table = pq.read_table(path)
   except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
     raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
-  for n, row in enumerate(table.to_pylist(), 1):
-    yield n, row
+  yield from enumerate(table.to_pylist(), 1)
 
 
 def _get(row: Mapping[str, Any], dotted: str) -> Any:
