@@ -14,6 +14,7 @@ from flax import nnx
 
 from asearcher_jax.agent.asearcher import AsearcherAgentConfig
 from asearcher_jax.apps import evaluate as commands
+from asearcher_jax.errors import AsearcherError
 from asearcher_jax.evaluation.clients import PinnedVersionClient
 from asearcher_jax.evaluation.runner import RunnerConfig
 from asearcher_jax.model import presets, transformer
@@ -100,3 +101,40 @@ async def test_watch_evaluates_each_published_version_pinned_to_it(tmp_path, ret
   idle = dict(kwargs, watch=commands.VersionWatch(weights_dir=str(store), poll_s=0.2,
                                                   idle_timeout_s=0.5))  # fmt: skip
   assert await asyncio.wait_for(asyncio.to_thread(commands.evaluate, **idle), 300) == 1
+
+
+@pytest.mark.slow
+async def test_one_version_of_a_store_is_evaluated_pinned_to_it(tmp_path, retrieval_server):
+  """`Generation.weights_version` without a watch: that version in the engine, recorded in the
+  configuration (so another version lands in another run directory)."""
+  store = tmp_path / "weights"
+  _publish(store, 3)
+  rc = await asyncio.wait_for(asyncio.to_thread(
+    commands.evaluate,
+    data=commands.EvalData(datasets=("hotpotqa_train100",), limit=1),
+    agent_config=AsearcherAgentConfig(max_turns=1, max_new_tokens=4, max_tokens=1024),
+    generation=commands.Generation(
+      policy=PolicyConfig(model=TINY), weights_dir=str(store), weights_version=3,
+      engine=EngineConfig(max_slots=2, max_seq_len=1024, prefill_buckets=(1024,)),
+    ),
+    runner=RunnerConfig(output_dir=str(tmp_path / "eval"), progress=False),
+    tools=commands.EvalTools(retrieval_addr_dir=str(retrieval_server.addr_file.parent)),
+  ), 300)  # fmt: skip
+  assert rc == 0
+  (config,) = [json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*/config.json")]
+  assert config["weights_version"] == 3
+  (snap,) = [json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*/*/run0/*.json")]
+  assert {t for c in snap["trajectory"]["calls"] for t in c["versions"]} == {3}
+
+
+def test_weights_version_needs_a_backend_that_stamps_versions():
+  with pytest.raises(AsearcherError, match="stamps no versions"):
+    commands._generation_client(commands.Generation(
+      backend="openai", server_url="http://127.0.0.1:1/v1", weights_version=2))  # fmt: skip
+  with pytest.raises(AsearcherError, match="watch loads each version into its own engine"):
+    commands.evaluate(
+      generation=commands.Generation(backend="remote", server_url="http://127.0.0.1:1"),
+      watch=commands.VersionWatch(weights_dir="w"),
+    )
+  with pytest.raises(AsearcherError, match="every must be >= 1"):
+    commands.VersionWatch(weights_dir="w", every=0)
