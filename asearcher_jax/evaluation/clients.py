@@ -143,6 +143,9 @@ class PinnedVersionClient:
     """The wrapped client's, for the runner's reachability check (None when in process)."""
     return getattr(self.inner, "base_url", None)
 
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.inner, name)  # what else callers ask of the client (close, stats, ...)
+
   async def generate(
     self,
     token_ids: Sequence[int],

@@ -32,6 +32,10 @@ class _Stamped:
 
   def __init__(self, versions: list[int]) -> None:
     self.versions = versions
+    self.closed = False
+
+  async def close(self) -> None:
+    self.closed = True
 
   async def generate(self, token_ids, sampling, max_new_tokens, stop=(), stop_token_ids=None):
     n = len(self.versions)
@@ -46,6 +50,8 @@ async def test_pinned_client_refuses_tokens_of_another_version():
   mixed = PinnedVersionClient(_Stamped([3, 4]), 3)
   with pytest.raises(EngineError, match=r"pinned to weights version 3, .* version\(s\) \[4\]"):
     await mixed.generate([1], SamplingParams(), 2)
+  await mixed.close()  # the rest of the client is the wrapped one's (a remote session's close)
+  assert mixed.inner.closed and mixed.base_url is None
 
 
 def _publish(root: Path, version: int) -> None:
