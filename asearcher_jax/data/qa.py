@@ -219,8 +219,7 @@ def _iter_csv(path: Path, text: str) -> Iterator[tuple[int, Any]]:
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
   """Rows of a Parquet file as dicts (nested structs and lists as Python ones), numbered from 1.
 
-  pyarrow arrives with tensorflow-datasets (requirements.txt); it is imported here only, so the
-  other formats never pay for it.
+  pyarrow (requirements.txt) is imported here only, so the other formats never pay for it.
   """
   try:
     import pyarrow.parquet as pq
