@@ -94,5 +94,7 @@ async def test_eval_7b_recipe_budgets_on_the_tiny_standin_write_avg4_pass4_and_v
     # The stand-in's judge agrees with exact match on its own answers.
     assert (verdict["judgement"] == "correct") == (s["scores"]["em"] == 1.0)
     assert s["stats"]["searches"] == 1 and s["finish_reason"] == "answer"
-  # The judge is asked once per distinct prediction of a question (verdicts are cached).
-  assert standin.requests["chat"] == len({(s["dataset"], s["qid"], s["pred"]) for s in snaps})
+  # Verdicts are cached: at most one request a prediction, at least one a distinct prediction of
+  # a question (two identical ones judged at once may both ask).
+  distinct = len({(s["dataset"], s["qid"], s["pred"]) for s in snaps})
+  assert distinct <= standin.requests["chat"] <= 24
