@@ -10,7 +10,9 @@ questions it is given, so `asearcher eval` with a real recipe runs end to end of
                         the gold answer with probability `accuracy` (drawn from the request's
                         seed, so a run is repeatable and k seeded runs differ), else a wrong one;
                         a read turn (stop ["</think>"]) says it read the documents. Text stops
-                        before the stop string, as an OpenAI server's does.
+                        before the stop string, as an OpenAI server's does. The reasoning agent's
+                        single-turn prompts get `<thought>` replies: a search while it may only
+                        search, a note on each read turn, an answer once it may answer.
   /v1/chat/completions  the judge: reads ASearcher's judge prompt and answers in its fenced JSON,
                         "Correct" when the normalised prediction equals a labelled answer.
   /v1/models, /health   what the preflight checks ask.
@@ -34,6 +36,11 @@ from asearcher_jax.data.qa import QAExample, load_dataset
 from asearcher_jax.evaluation.metrics import normalize_answer
 
 MODEL = "standin"
+# What tells the reasoning agent's prompts apart (agent/prompts.py): any of them, a read turn's,
+# and an act turn's once answering is allowed.
+_REASONING = "Reasoning history:"
+_READ = "generate a thought after reading"
+_MAY_ANSWER = "3. Answering the question"
 _LABELED = re.compile(r"Labeled Answer: (.*?)\n\nPredicted Answer: (.*?)\n\nAre these", re.S)
 
 
@@ -88,13 +95,18 @@ class StandinServer:
     ex = self._example(prompt)
     if ex is None:
       return "<answer>unknown"
+    right = random.Random(f"{seed}/{ex.id}").random() < self.accuracy
+    answer = ex.answers[0] if right else "not " + ex.answers[0]
+    if _REASONING in prompt:  # the reasoning agent: a fresh single-turn prompt each call
+      if _READ in prompt:
+        return "<thought>I read them.</thought>"
+      if _MAY_ANSWER in prompt:
+        return f"<thought>The documents say it.</thought>\n<answer>{answer}</answer>"
+      return f"<thought>I should look this up.</thought>\n<search>{ex.question}</search>"
     history = prompt.split(ex.question, 1)[-1]
     if "<information>" not in history:
       return f"I should look this up.</think>\n<search>{ex.question}"
-    right = random.Random(f"{seed}/{ex.id}").random() < self.accuracy
-    return (
-      f"The documents say it.</think>\n<answer>{ex.answers[0] if right else 'not ' + ex.answers[0]}"
-    )
+    return f"The documents say it.</think>\n<answer>{answer}"
 
   @staticmethod
   def verdict(prompt: str) -> str:

@@ -1,6 +1,6 @@
 """The evaluation recipes of gin/experiments/eval_*.gin: each is a configuration `asearcher eval`
-accepts, and the 7B recipe runs end to end on CPU under gin/overlays/eval_tiny.gin with all of its
-budgets (64 calls, 4,096 tokens a call, a 32,768-token context, k = 4, temperature 0.6, the
+accepts and runs end to end on CPU under gin/overlays/eval_tiny.gin; the 7B recipe with all of its
+budgets checked (64 calls, 4,096 tokens a call, a 32,768-token context, k = 4, temperature 0.6, the
 judge's sampling), the policy and the judge being the local stand-in server: Avg@4 and Pass@4 are
 written, and the judge's verdict on every prediction."""
 
@@ -98,3 +98,40 @@ async def test_eval_7b_recipe_budgets_on_the_tiny_standin_write_avg4_pass4_and_v
   # a question (two identical ones judged at once may both ask).
   distinct = len({(s["dataset"], s["qid"], s["pred"]) for s in snaps})
   assert distinct <= standin.requests["chat"] <= 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "recipe",
+  [r for r in RECIPES if r.stem != "eval_asearcher_local_qwen2_5_7b"],
+  ids=lambda p: p.stem,
+)
+async def test_every_eval_recipe_runs_on_the_tiny_standin(recipe, tmp_path, retrieval_server):
+  """The 14B, QwQ-32B (the reasoning agent, its web tools swapped for local ones) and Search-R1
+  evaluation recipes, each with its own agent and budgets, end to end on the stand-in."""
+  examples = [e for d in ("bamboogle", "nq17") for e in load_dataset(d, limit=3)]
+  standin = StandinServer(examples, accuracy=0.5)
+  port = await asyncio.wait_for(standin.start(), 10)
+  url = f"http://127.0.0.1:{port}/v1"
+  try:
+    proc = await asyncio.to_thread(
+      _eval,
+      f"--gin_file={recipe.relative_to(REPO)}",
+      "--gin_file=gin/overlays/eval_tiny.gin",
+      f"--gin_param=commands.Generation.server_url='{url}'",
+      f"--gin_param=judge.JudgeConfig.base_url='{url}'",
+      f"--gin_param=commands.EvalTools.retrieval_addresses=['127.0.0.1:{retrieval_server.port}']",
+      f"--gin_param=runner.RunnerConfig.output_dir='{tmp_path}'",
+      "--gin_param=runner.RunnerConfig.progress=False",
+    )
+  finally:
+    await standin.stop()
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "eval: 24 results (24 computed, 0 resumed, 24 judged)" in proc.stdout
+  run_dir = Path(json.loads(proc.stdout.strip().splitlines()[-1])["run_dir"])
+  summary = json.loads((run_dir / "summary.json").read_text())
+  for name in ("bamboogle", "nq17"):
+    d = summary["datasets"][name]
+    assert (d["n"], d["k"], d["judge_judged"]) == (3, 4, 12)
+    # Each agent searched, reached its answer and was scored: Pass@4 above Avg@4.
+    assert d["mean_tool_calls"] >= 1 and 0 < d["avg@k"]["judge"] < d["pass@k"]["judge"] <= 1
