@@ -49,6 +49,8 @@ def retrieval_ip(i: int) -> str:
 ACTIONS = ("up", "setup", "start", "status", "logs", "stop", "down")
 # Web-tool keys: printed as $NAME, filled in from the launching environment when a plan runs.
 SECRETS = ("SERPER_API_KEY", "JINA_API_KEY")
+# Filled in the same way for the evaluation role's judge.
+JUDGE_SECRETS = ("OPENAI_API_KEY",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,7 +136,17 @@ def layout(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> roles.Layout:
     asearcher=(f"{VENV}/bin/asearcher",),
     serving_tensor=spec.serving[0].chips,
     journal_dir=JOURNAL,
+    **_eval_layout(spec),
   )  # fmt: skip
+
+
+def _eval_layout(spec: ClusterSpec) -> dict:
+  """The evaluation role's part of the layout: its recipe, every N-th version, its slice's chips
+  (results under the run dir on the bucket mount, <run_dir>/eval)."""
+  e = spec.evaluation
+  if e is None:
+    return {}
+  return {"eval_gin_files": (e.experiment,), "eval_every": e.every, "eval_tensor": e.slice.chips}
 
 
 def _background(name: str, argv: list[str], env: dict[str, str] | None = None) -> str:
@@ -221,7 +233,8 @@ def compile_cache(spec: ClusterSpec) -> str:
 
 def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
   """Retrieval server on trainer worker 0, serve-model on every serving host (each announces
-  itself in an address file on the shared mount), then the trainer on every trainer worker."""
+  itself in an address file on the shared mount), then the trainer on every trainer worker, and
+  the evaluation role on its slice when the spec has one."""
   lay = layout(spec, gin_params)
   cache = {"ASEARCHER_COMPILE_CACHE": compile_cache(spec)}
   cmds = [
@@ -263,6 +276,11 @@ def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
     if spec.tools == "web":  # filled in from the launching environment by run(), never printed
       script = " ".join(f"{k}={v}" for k, v in keys.items()) + f" bash -c {shlex.quote(script)}"
     cmds.append(_ssh(spec, spec.trainer, w, script))
+  if spec.evaluation is not None:  # the judge's key (and the web tools') from the environment
+    env = {k: f"${k}" for k in (*(SECRETS if spec.tools == "web" else ()), *JUDGE_SECRETS)}
+    script = _background("eval", roles.eval_argv(lay), cache)
+    script = " ".join(f"{k}={v}" for k, v in env.items()) + f" bash -c {shlex.quote(script)}"
+    cmds.append(_ssh(spec, spec.evaluation.slice, 0, script))
   return cmds
 
 
@@ -352,7 +370,7 @@ def run(commands: list[Command], *, dry_run: bool, out=None, runner: Runner = _s
   captures poll until the queued resource is ACTIVE (FAILED/SUSPENDED: error)."""
   out = out or sys.stdout
   values: dict[str, str] = {}
-  secrets = {f"${k}": shlex.quote(os.environ.get(k, "")) for k in SECRETS}
+  secrets = {f"${k}": shlex.quote(os.environ.get(k, "")) for k in (*SECRETS, *JUDGE_SECRETS)}
   for c in commands:
     argv = [_fill(a, values) for a in c.argv]
     print(shlex.join(argv), file=out, flush=True)

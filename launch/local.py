@@ -26,7 +26,15 @@ A local spec (TOML):
     trainers = 2         # trainer processes (jax.distributed: one coordinator, N processes)
     trainer_devices = 2  # fake CPU devices per trainer process (unset: XLA's default, 1)
     tools = "local"      # or "web"
-    gin_params = []      # extra bindings, every role
+    gin_params = []      # extra bindings, every training role
+    evaluation = "gin/experiments/eval_asearcher_local_qwen2_5_7b.gin"  # optional: the eval role
+    evaluation_overlays = ["gin/overlays/eval_recipe_tiny.gin"]
+    evaluation_every = 1
+    evaluation_gin_params = []
+
+The evaluation role (`asearcher eval` watching the weights store, launch/roles.py) is restarted
+only if it fails; when the trainer finishes, the supervisor gives it `eval_grace_s` to evaluate
+the last versions before tearing everything down.
 """
 
 from __future__ import annotations
@@ -73,6 +81,16 @@ class LocalSpec:
   bucket: str | None = None
   tools: str = "local"
   gin_params: tuple[str, ...] = ()
+  # The evaluation role's recipe (gin/experiments/eval_*.gin) and overlays; None: no such role.
+  evaluation: str | None = None
+  evaluation_overlays: tuple[str, ...] = ()
+  # Evaluate every N-th published version.
+  evaluation_every: int = 1
+  # Bindings for the evaluation role only.
+  evaluation_gin_params: tuple[str, ...] = ()
+
+
+_TUPLES = ("overlays", "gin_params", "evaluation_overlays", "evaluation_gin_params")
 
 
 def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
@@ -82,7 +100,8 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
   if unknown := sorted(set(d) - known):
     hint = "; a gcloud spec? drop --backend local" if {"project", "zone"} & set(unknown) else ""
     raise SpecError(f"{p}: unknown key(s) {', '.join(unknown)} (known: {sorted(known)}){hint}")
-  for k in ("serving", "retrieval", "trainers", "trainer_devices", "serving_devices"):
+  for k in ("serving", "retrieval", "trainers", "trainer_devices", "serving_devices",
+            "evaluation_every"):  # fmt: skip
     if not isinstance(d.get(k, 1), int) or d.get(k, 1) < 1:
       raise SpecError(f"{p}: {k} must be an integer >= 1, got {d.get(k)!r}")
   if d.get("tools", "local") not in ("local", "web"):
@@ -100,13 +119,18 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
     raise SpecError(f"{p}: no experiment")
   if not isinstance(exp, str):
     raise SpecError(f"{p}: experiment must be one gin file path (a string), got {exp!r}")
-  for k in ("overlays", "gin_params"):
+  for k in _TUPLES:
     v = d.get(k, [])
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
       raise SpecError(f'{p}: {k} must be a list of strings (e.g. {k} = ["..."]), got {v!r}')
-  check_gin_files([exp, *d.get("overlays", ())], str(p))
-  return LocalSpec(**{**d, "experiment": exp, "overlays": tuple(d.get("overlays", ())),
-                      "gin_params": tuple(d.get("gin_params", ()))})  # fmt: skip
+  evaluation = d.get("evaluation")
+  if evaluation is not None and not (isinstance(evaluation, str) and evaluation):
+    raise SpecError(f"{p}: evaluation must be one gin file path (a string), got {evaluation!r}")
+  if evaluation is None and (d.get("evaluation_overlays") or d.get("evaluation_gin_params")):
+    raise SpecError(f"{p}: evaluation_overlays / evaluation_gin_params need evaluation (a recipe)")
+  evaluation_files = [evaluation, *d.get("evaluation_overlays", ())] if evaluation else []
+  check_gin_files([exp, *d.get("overlays", ()), *evaluation_files], str(p))
+  return LocalSpec(**{**d, "experiment": exp, **{k: tuple(d.get(k, ())) for k in _TUPLES}})
 
 
 def layout(spec: LocalSpec, run: Path, extra: tuple[str, ...] = ()) -> roles.Layout:
@@ -121,6 +145,9 @@ def layout(spec: LocalSpec, run: Path, extra: tuple[str, ...] = ()) -> roles.Lay
     retrieval_addr_dir=str(run / "retrieval") if spec.tools == "local" else None,
     host="127.0.0.1", serve_port=0, retrieval_port=0, asearcher=ASEARCHER,
     serving_tensor=spec.serving_devices,
+    eval_gin_files=(spec.evaluation, *spec.evaluation_overlays) if spec.evaluation else (),
+    eval_gin_params=spec.evaluation_gin_params, eval_every=spec.evaluation_every,
+    eval_dir=str(run / "eval"),
   )  # fmt: skip
 
 
@@ -167,6 +194,8 @@ class Supervisor:
   def start(self) -> None:
     self.start_retrieval()
     self.start_serving()
+    if self.lay.eval_gin_files:
+      self.spawn("eval", roles.eval_argv(self.lay))
     coordinator = f"127.0.0.1:{_free_port()}"
     for i in range(self.spec.trainers):
       env = roles.trainer_env(coordinator, self.spec.trainers, i, self.spec.trainer_devices)
@@ -189,9 +218,13 @@ class Supervisor:
       role = "retrieval" if self.spec.retrieval == 1 else f"retrieval-{i}"
       self.spawn(role, roles.retrieval_argv(self.lay))
 
-  def loop(self, poll_s: float = 0.5, trainer_grace_s: float = 120.0) -> int:
-    """Until every trainer process exited, one failed, or a stop: restarts servers that died,
-    then tears everything down; returns 0 when every trainer process exited 0, else 1."""
+  def loop(
+    self, poll_s: float = 0.5, trainer_grace_s: float = 120.0, eval_grace_s: float = 900.0
+  ) -> int:
+    """Until every trainer process exited, one failed, or a stop: restarts servers that died
+    (and the evaluation role if it failed), gives the evaluation role `eval_grace_s` to finish
+    after a clean end of training, then tears everything down; returns 0 when every trainer
+    process (and the evaluation role, if any) exited 0, else 1."""
     first_exit = None  # when the first trainer process exited cleanly
     while not self.stopping:
       trainers = {r: p for r, p in self.procs.items() if r.startswith("trainer-")}
@@ -210,12 +243,23 @@ class Supervisor:
               "another trainer process finished: stopping the run", flush=True)  # fmt: skip
         break
       for role, p in list(self.procs.items()):
+        if role == "eval" and p.poll() == 0:
+          continue  # it finished its work: nothing to restart
         if not role.startswith("trainer-") and p.poll() is not None:
           self.restarts[role] = self.restarts.get(role, 0) + 1
           print(f"supervisor: {role} (pid {p.pid}) exited {p.returncode}; restarting", flush=True)
           self.spawn(role, *self.argv[role])
       time.sleep(poll_s)
     codes = [p.poll() for r, p in self.procs.items() if r.startswith("trainer-")]
+    evaluator = self.procs.get("eval")
+    if evaluator is not None and not self.stopping and codes and all(c == 0 for c in codes):
+      deadline = time.monotonic() + eval_grace_s
+      while evaluator.poll() is None and not self.stopping and time.monotonic() < deadline:
+        time.sleep(poll_s)
+      if evaluator.poll() is None:
+        print(f"supervisor: eval still running {eval_grace_s:g} s after training ended: "
+              "stopping it", flush=True)  # fmt: skip
+      codes.append(evaluator.poll())
     self.teardown()
     return 0 if codes and all(c == 0 for c in codes) else 1
 
@@ -238,8 +282,8 @@ class Supervisor:
 def supervise(run_dir: str) -> int:
   run = Path(run_dir)
   cfg = json.loads((run / "launch.json").read_text())
-  sup = Supervisor(LocalSpec(**{**cfg["spec"], "overlays": tuple(cfg["spec"]["overlays"]),
-                                "gin_params": tuple(cfg["spec"]["gin_params"])}),
+  spec = cfg["spec"]
+  sup = Supervisor(LocalSpec(**{**spec, **{k: tuple(spec.get(k, ())) for k in _TUPLES}}),
                    run, tuple(cfg["extra"]))  # fmt: skip
 
   def on_term(*_):

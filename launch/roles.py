@@ -13,6 +13,12 @@ and serve-retrieval; see gin/experiments/*.gin):
              learns the servers from the address files; jax.distributed gets its coordinator,
              process count and id from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
              JAX_PROCESS_ID.
+An optional fourth, configured by an evaluation recipe of its own (gin/experiments/eval_*.gin):
+  eval       `asearcher eval` watching the weights store: each version the trainer publishes
+             (every N-th) is loaded into the role's own engine and evaluated pinned to it (no
+             token of another version is scored), results per version under <run_dir>/eval;
+             it ends once the trainer has written its operative config and the last version
+             is evaluated.
 Only the paths, hosts and ports differ between the gcloud and local backends (`Layout`).
 """
 
@@ -68,6 +74,18 @@ class Layout:
   # Chips each serve-model splits its replica over (tensor parallel: its serving slice's chips,
   # or a local server's fake devices); None: the recipe's own binding.
   serving_tensor: int | None = None
+  # The evaluation role: an evaluation recipe, then overlays; empty: no evaluation role. Its
+  # recipe must import `apps.evaluate as commands`, `evaluation.runner as runner` and
+  # `serving.mesh as mesh` (the names the role's bindings use, as gin/experiments/eval_*.gin do).
+  eval_gin_files: tuple[str, ...] = ()
+  # Bindings for the evaluation role only (`gin_params` configure the training roles).
+  eval_gin_params: tuple[str, ...] = ()
+  # Evaluate every N-th published version (version 0, the initial weights, never).
+  eval_every: int = 1
+  # Where the per-version results go; None: <run_dir>/eval.
+  eval_dir: str | None = None
+  # Chips the evaluation engine splits over (its slice's); None: the recipe's own binding.
+  eval_tensor: int | None = None
 
 
 def _gin(layout: Layout) -> list[str]:
@@ -136,6 +154,30 @@ def trainer_argv(layout: Layout) -> list[str]:
           f"--gin_param={where}"]  # fmt: skip
 
 
+def eval_argv(layout: Layout) -> list[str]:
+  """The evaluation role (module docstring): the trainer's weights store watched, the end of
+  training read from the operative config the trainer writes when it finishes."""
+  watch = "commands.VersionWatch"
+  args = [
+    *layout.asearcher, "eval", *(f"--gin_file={f}" for f in layout.eval_gin_files),
+    *(f"--gin_param={p}" for p in layout.eval_gin_params),
+    f"--gin_param=commands.evaluate.watch=@{watch}()",
+    f"--gin_param={watch}.weights_dir={_q(layout.weights_dir)}",
+    f"--gin_param={watch}.every={layout.eval_every}",
+    f"--gin_param={watch}.done_file={_q(layout.run_dir + '/operative_config.gin')}",
+    f"--gin_param=runner.RunnerConfig.output_dir={_q(layout.eval_dir or layout.run_dir + '/eval')}",
+  ]  # fmt: skip
+  if layout.eval_tensor is not None:
+    args.append(f"--gin_param=mesh.ServingMeshConfig.tensor={layout.eval_tensor}")
+  if layout.retrieval_addresses:
+    addresses = ", ".join(_q(a) for a in layout.retrieval_addresses)
+    args.append(f"--gin_param=commands.EvalTools.retrieval_addresses=({addresses},)")
+  elif layout.retrieval_addr_dir is not None:
+    args += ["--gin_param=commands.EvalTools.retrieval_addresses=()",
+             f"--gin_param=commands.EvalTools.retrieval_addr_dir={_q(layout.retrieval_addr_dir)}"]  # fmt: skip
+  return args
+
+
 def trainer_env(
   coordinator: str, processes: int, process_id: int, local_devices: int | None = None
 ) -> dict[str, str]:
@@ -151,10 +193,10 @@ def trainer_env(
   return env
 
 
-def role_argvs(layout: Layout) -> dict[str, list[str]]:
+def role_argvs(layout: Layout, *, evaluation: bool = True) -> dict[str, list[str]]:
   """Each role's `asearcher` argv (without the program) as it will run: the retrieval server
   when the recipe uses local tools, the first serve-model (the others differ only in their
-  address file) and the trainer."""
+  address file), the trainer, and the evaluation role when the layout has one (`evaluation`)."""
   n = len(layout.asearcher)
   out = {}
   if layout.retrieval_addr_dir is not None or layout.retrieval_addresses:
@@ -162,6 +204,8 @@ def role_argvs(layout: Layout) -> dict[str, list[str]]:
   if layout.address_files:
     out["serving"] = serve_argv(layout, 0)[n:]
   out["trainer"] = trainer_argv(layout)[n:]
+  if evaluation and layout.eval_gin_files:
+    out["eval"] = eval_argv(layout)[n:]
   return out
 
 
@@ -199,7 +243,9 @@ def rehearse_roles(
   child process: each role's own command line configured as it will run, its programs
   compiled for its slice (`topologies`: role -> slice name, "cpu" for a host with none) as
   `programs` says (all, largest, arguments). Returns role -> its report (or {"error": ...})."""
-  argvs = role_argvs(layout)
+  # The evaluation role's engine is the serving engine's binding in its recipe; the rehearsal
+  # builds serve-model, train and serve-retrieval only (apps/rehearsal.py), so it is not in it.
+  argvs = role_argvs(layout, evaluation=False)
   jobs = [{"topology": topologies[r], "programs": programs, "argv": a} for r, a in argvs.items()]
   # Without compiles one process checks every role in seconds; a compile of a 32B model's
   # programs holds ~10-20 GB of host memory, released only with its process: one a role.

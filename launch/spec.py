@@ -14,6 +14,10 @@ A spec is a small TOML file (stdlib `tomllib`, no new dependency):
     [serving]
     accelerator_type = "v5p-8"
     count = 2
+    [eval]                               # optional: an evaluation role on a slice of its own
+    accelerator_type = "v5p-8"           # one host; the engine is tensor parallel over its chips
+    experiment = "gin/experiments/eval_asearcher_local_qwen2_5_7b.gin"
+    every = 10                           # evaluate every 10th published version
     [retrieval]                          # optional: a retrieval tier of its own (CPU VMs)
     machine_type = "n2-highmem-16"
     count = 2                            # hosts
@@ -165,6 +169,19 @@ class RetrievalTier:
     return tuple(f"{self.name}-{i}" for i in range(self.count))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalRole:
+  """The evaluation role on a slice of its own: `asearcher eval` watching the weights store,
+  each published version (every `every`-th) evaluated in its own engine (launch/roles.py)."""
+
+  # Its slice: one host, the evaluation engine tensor parallel over the host's chips.
+  slice: Slice
+  # The evaluation recipe (gin/experiments/eval_*.gin), repository-relative.
+  experiment: str
+  # Evaluate every N-th published version.
+  every: int = 1
+
+
 # Where a retrieval host keeps its index (copied from the bucket, or the disk mounted there).
 INDEX_MOUNT = "/mnt/asearcher-index"
 
@@ -205,6 +222,8 @@ class ClusterSpec:
   run_dir: str | None = None
   # A retrieval tier of its own; None: one retrieval server on trainer worker 0.
   retrieval: RetrievalTier | None = None
+  # The evaluation role ([eval]); None: no evaluation while training.
+  evaluation: EvalRole | None = None
 
   @property
   def chip(self) -> Chip:
@@ -212,12 +231,13 @@ class ClusterSpec:
 
   @property
   def slices(self) -> tuple[Slice, ...]:
-    return (self.trainer, *self.serving)
+    extra = (self.evaluation.slice,) if self.evaluation is not None else ()
+    return (self.trainer, *self.serving, *extra)
 
 
 _TOP_KEYS = {"name", "project", "zone", "bucket", "experiment", "runtime_version", "provisioning",
              "trainer", "serving", "tools", "serve_port", "retrieval_port", "coordinator_port", "mount",
-             "retrieval"}  # fmt: skip
+             "retrieval", "eval"}  # fmt: skip
 
 
 def _str(d: dict, key: str, where: str, default: str | None = None) -> str:
@@ -292,12 +312,38 @@ def from_dict(
     if not isinstance(v, int) or not 0 < v < 65536:
       raise SpecError(f"{source}: {k} must be a TCP port, got {v!r}")
   retrieval = _retrieval(d.get("retrieval"), source, name, tools)
+  evaluation = _evaluation(d.get("eval"), source, name, chip)
   return ClusterSpec(
     source=source, name=name, project=_str(d, "project", source), zone=_str(d, "zone", source),
     bucket=bucket.rstrip("/"), experiment=exp, runtime_version=runtime,
     provisioning=provisioning, tools=tools, trainer=trainer, serving=serving,
-    mount=_str(d, "mount", source, "/mnt/asearcher"), retrieval=retrieval, **ports,
+    mount=_str(d, "mount", source, "/mnt/asearcher"), retrieval=retrieval,
+    evaluation=evaluation, **ports,
   )  # fmt: skip
+
+
+def _evaluation(t: Any, source: str, name: str, chip: Chip) -> EvalRole | None:
+  """The [eval] table; SpecError naming the key for any mistake."""
+  if t is None:
+    return None
+  where = f"{source} [eval]"
+  if not isinstance(t, dict):
+    raise SpecError(f"{source}: eval must be an [eval] table, got {t!r}")
+  if unknown := sorted(set(t) - {"accelerator_type", "experiment", "every"}):
+    raise SpecError(f"{where}: unknown key(s) {', '.join(unknown)} "
+                    "(known: accelerator_type, experiment, every)")  # fmt: skip
+  kind = _str(t, "accelerator_type", where)
+  e_chip, chips, hosts = parse_accelerator(kind, f"{where} accelerator_type")
+  if e_chip is not chip:
+    raise SpecError(f"{where}: {e_chip.name} but [trainer] is {chip.name}; one runtime version "
+                    "serves one TPU generation")  # fmt: skip
+  if hosts != 1:
+    raise SpecError(f"{where}: {kind} has {hosts} hosts; the evaluation engine runs on one host")
+  every = t.get("every", 1)
+  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    raise SpecError(f"{where}: every must be an integer >= 1, got {every!r}")
+  piece = Slice(name=f"{name}-eval", accelerator_type=kind, chip=e_chip, chips=chips, hosts=1)
+  return EvalRole(slice=piece, experiment=_str(t, "experiment", where), every=every)
 
 
 def _retrieval(t: Any, source: str, name: str, tools: str) -> RetrievalTier | None:
@@ -361,5 +407,6 @@ def check_gin_files(files: Sequence[str], source: str) -> None:
 def load(path: str | Path, experiment: str | None = None) -> ClusterSpec:
   """Reads and validates a TOML spec."""
   spec = from_dict(read_toml(path), str(path), experiment)
-  check_gin_files([spec.experiment], str(path))
+  evaluation = [spec.evaluation.experiment] if spec.evaluation is not None else []
+  check_gin_files([spec.experiment, *evaluation], str(path))
   return spec

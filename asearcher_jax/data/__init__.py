@@ -4,19 +4,23 @@
 """
 
 from asearcher_jax.data.qa import (
+  SEARCH_R1_SOURCES,
   SHIPPED,
   DatasetError,
   QAExample,
   load_asearcher_layout,
   load_dataset,
   load_qa_file,
+  load_search_r1,
 )
 
 __all__ = [
+  "SEARCH_R1_SOURCES",
   "SHIPPED",
   "DatasetError",
   "QAExample",
   "load_asearcher_layout",
   "load_dataset",
   "load_qa_file",
+  "load_search_r1",
 ]

@@ -3,7 +3,9 @@
 Readers accept what people actually have on disk: ASearcher's test-data layout
 (`{data_dir}/{name}/{split}.jsonl` with `question` and `answer` or `gt`) and training sets
 (`question`, `answer`, `source`, `aug_answer`, `qid`: nothing dropped), FlashRAG rows
-(`golden_answers`), verl rows (`prompt` messages, `reward_model.ground_truth`, `extra_info`),
+(`golden_answers`), verl rows (`prompt` messages, `reward_model.ground_truth`, `extra_info`) in
+JSON lines or in Parquet (Search-R1's merged `test.parquet`: one file for its seven sets, a row's
+`data_source` naming its set),
 HotpotQA / 2Wiki / MuSiQue records (`_id`, `answer`, `answer_aliases`), TriviaQA (`answer.aliases`),
 FRAMES (`Prompt`/`Question`, `Answer`), Bamboogle (CSV or JSON), StrategyQA (boolean answers) and
 xbench's encrypted CSV (decrypted in memory only; such examples are marked `sensitive` so nothing
@@ -58,6 +60,18 @@ _ANSWER_FIELDS = (
   "reward_model.ground_truth",
 )
 _ALIAS_FIELDS = ("answer_aliases", "aliases", "aug_answer")
+
+# The seven sets Search-R1 evaluates on, by the names its `data_source` column and FlashRAG's
+# dataset directories (RUC-NLPIR/FlashRAG_datasets: `{name}/{split}.jsonl`) both use.
+SEARCH_R1_SOURCES = (
+  "nq",
+  "triviaqa",
+  "popqa",
+  "hotpotqa",
+  "2wikimultihopqa",
+  "musique",
+  "bamboogle",
+)
 
 
 class DatasetError(AsearcherError):
@@ -202,6 +216,22 @@ def _iter_csv(path: Path, text: str) -> Iterator[tuple[int, Any]]:
     raise DatasetError(f"{path}:{reader.line_num}: broken CSV ({e})") from None
 
 
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+  """Rows of a Parquet file as dicts (nested structs and lists as Python ones), numbered from 1.
+
+  pyarrow (requirements.txt) is imported here only, so the other formats never pay for it.
+  """
+  try:
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+  try:
+    table = pq.read_table(path)
+  except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+    raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
+  yield from enumerate(table.to_pylist(), 1)
+
+
 def _get(row: Mapping[str, Any], dotted: str) -> Any:
   cur: Any = row
   for part in dotted.split("."):
@@ -302,13 +332,21 @@ def parse_record(row: Any, *, where: str, index: int, dataset: str) -> QAExample
   )
 
 
-def load_qa_file(path: str | Path, *, name: str | None = None) -> list[QAExample]:
-  """All records of a .jsonl / .json / .csv file (optionally .gz), ids checked for duplicates."""
+def load_qa_file(
+  path: str | Path, *, name: str | None = None, data_source: str | None = None
+) -> list[QAExample]:
+  """All records of a .jsonl / .json / .csv file (optionally .gz) or a .parquet file, ids checked
+  for duplicates. `data_source`: only the rows whose `data_source` is that (Search-R1's merged
+  files hold every set, their ids restarting at test_0 in each)."""
   path = Path(path)
-  dataset = name or path.name.split(".")[0]
-  text = _open_text(path)
+  dataset = name or data_source or path.name.split(".")[0]
   suffix = _base_suffix(path)
-  if suffix == ".jsonl":
+  text = "" if suffix == ".parquet" else _open_text(path)
+  if suffix == ".parquet":
+    if path.name.endswith(".gz"):
+      raise DatasetError(f"{path}: Parquet compresses itself; give the .parquet file")
+    records = _iter_parquet(path)
+  elif suffix == ".jsonl":
     records = _iter_jsonl(path, text)
   elif suffix == ".json":
     stripped = text.lstrip()
@@ -317,7 +355,11 @@ def load_qa_file(path: str | Path, *, name: str | None = None) -> list[QAExample
   elif suffix == ".csv":
     records = _iter_csv(path, text)
   else:
-    raise DatasetError(f"{path}: unknown QA file type {suffix!r} (want .jsonl, .json or .csv)")
+    raise DatasetError(
+      f"{path}: unknown QA file type {suffix!r} (want .jsonl, .json, .csv or .parquet)"
+    )
+  if data_source is not None:
+    records = ((n, r) for n, r in records if _source_of(r, f"{path}:{n}") == data_source)
   out: list[QAExample] = []
   first_line: dict[str, int] = {}
   for index, (line, row) in enumerate(records):
@@ -329,14 +371,31 @@ def load_qa_file(path: str | Path, *, name: str | None = None) -> list[QAExample
     first_line[ex.id] = line
     out.append(ex)
   if not out:
+    if data_source is not None:
+      raise DatasetError(f"{path}: no rows with data_source {data_source!r}")
     raise DatasetError(f"{path}: no records")
   return out
 
 
+def _source_of(row: Any, where: str) -> str:
+  if not isinstance(row, Mapping) or not isinstance(row.get("data_source"), str):
+    raise DatasetError(f"{where}: no 'data_source' string (a Search-R1 row names its set there)")
+  return row["data_source"]
+
+
+def load_search_r1(path: str | Path, source: str) -> list[QAExample]:
+  """One of Search-R1's sets out of its merged file (`scripts/data_process/qa_search_test_merge.py`
+  writes every set into one `test.parquet`: FlashRAG's columns `id`, `question` (with a '?'
+  appended when missing), `golden_answers`, plus `data_source`, `prompt` (the templated chat
+  message), `ability`, `reward_model.ground_truth.target` and `extra_info.{split,index}`)."""
+  return load_qa_file(path, name=source, data_source=source)
+
+
 def load_asearcher_layout(data_dir: str | Path, name: str, split: str = "test") -> list[QAExample]:
-  """ASearcher's test-data layout: `{data_dir}/{name}/{split}.jsonl` (or `.json`)."""
+  """ASearcher's test-data layout and FlashRAG's (RUC-NLPIR/FlashRAG_datasets): both are
+  `{data_dir}/{name}/{split}.jsonl` (or `.json`, `.parquet`)."""
   base = Path(data_dir) / name
-  for suffix in (".jsonl", ".json", ".jsonl.gz", ".json.gz"):
+  for suffix in (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet"):
     path = base / f"{split}{suffix}"
     if path.exists():
       return load_qa_file(path, name=name)
@@ -346,16 +405,21 @@ def load_asearcher_layout(data_dir: str | Path, name: str, split: str = "test") 
 def load_dataset(
   spec: str, *, data_dir: str | Path | None = None, split: str = "test", limit: int | None = None
 ) -> list[QAExample]:
-  """A dataset by shipped name (see SHIPPED), by file path, or by name under `data_dir`.
+  """A dataset by shipped name (see SHIPPED), by file path, or by name under `data_dir`: a
+  directory `{data_dir}/{spec}/` (ASearcher's and FlashRAG's layout), or a set of Search-R1's
+  merged `{data_dir}/{split}.parquet` (spec one of SEARCH_R1_SOURCES).
 
   `limit` keeps the first N questions (file order), so a subsample is the same on every run.
   """
+  merged = Path(data_dir) / f"{split}.parquet" if data_dir is not None else None
   if spec in SHIPPED:
     examples = load_qa_file(_ASSETS / SHIPPED[spec], name=spec)
   elif Path(spec).is_file():
     examples = load_qa_file(spec)
   elif data_dir is not None and (Path(data_dir) / spec).is_dir():
     examples = load_asearcher_layout(data_dir, spec, split)
+  elif merged is not None and spec in SEARCH_R1_SOURCES and merged.is_file():
+    examples = load_search_r1(merged, spec)
   else:
     where = f" or a directory under {data_dir}" if data_dir is not None else ""
     raise DatasetError(

@@ -122,3 +122,46 @@ class OpenAICompletionsClient:
       return json.loads(text)["choices"][0]
     except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
       raise EngineError(f"{url}: malformed completion: {e!r}") from e
+
+
+class PinnedVersionClient:
+  """Refuses any generation not produced wholly by one weight version.
+
+  An evaluation pinned to a policy version must not score tokens of another: a server that
+  loaded a newer version mid-evaluation would silently mix two policies into one number. Engines
+  stamp the version of the weights that produced each token (`GenerationResult.versions`), so a
+  result with any other version is an `EngineError` (the question is then redone, not scored).
+  """
+
+  def __init__(self, inner: Any, version: int) -> None:
+    self.inner = inner
+    self.version = version
+    self.checked_tokens = 0  # generated tokens whose version was checked
+
+  @property
+  def base_url(self) -> Any:
+    """The wrapped client's, for the runner's reachability check (None when in process)."""
+    return getattr(self.inner, "base_url", None)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.inner, name)  # what else callers ask of the client (close, stats, ...)
+
+  async def generate(
+    self,
+    token_ids: Sequence[int],
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] | None = None,
+  ) -> GenerationResult:
+    result = await self.inner.generate(
+      token_ids, sampling, max_new_tokens, stop=stop, stop_token_ids=stop_token_ids
+    )
+    other = sorted({v for v in result.versions if v != self.version})
+    if other:
+      raise EngineError(
+        f"the evaluation is pinned to weights version {self.version}, but the server generated "
+        f"with version(s) {other}"
+      )
+    self.checked_tokens += len(result.versions)
+    return result

@@ -14,8 +14,12 @@ from asearcher_jax import main as cli
 from asearcher_jax.apps import sweep as sweeping
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = [
-  *sorted((REPO / "gin" / "experiments").glob("*_qwen2_5_*.gin")),
+RECIPES = [  # the training recipes (the eval_*.gin ones configure `asearcher eval`, no plan)
+  *sorted(
+    p
+    for p in (REPO / "gin" / "experiments").glob("*_qwen2_5_*.gin")
+    if not p.stem.startswith("eval_")
+  ),
   REPO / "gin" / "experiments" / "asearcher_web_qwq_32b.gin",
 ]
 

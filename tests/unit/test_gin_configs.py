@@ -99,7 +99,8 @@ LONG_HORIZON_OVERLAYS = sorted((GIN_ROOT / "overlays" / "long_horizon").glob("*.
 def test_long_horizon_variants_are_overlays_not_recipes():
   """gin/experiments holds recipes a user runs; a variant is an overlay (docs/experiments/)."""
   recipes = sorted(p.name for p in (GIN_ROOT / "experiments").glob("*.gin"))
-  assert len(recipes) <= 12, recipes
+  # The training recipes, their evaluation recipes (eval_*.gin) and the CPU ones.
+  assert len(recipes) <= 16, recipes
   assert [r for r in recipes if r.startswith("long_horizon")] == [
     "long_horizon.gin",
     "long_horizon_warm_start.gin",
