@@ -343,6 +343,18 @@ def load_asearcher_layout(data_dir: str | Path, name: str, split: str = "test") 
   raise DatasetError(f"no {split}.jsonl or {split}.json in {base}")
 
 
+def dataset_problem(spec: str, *, data_dir: str | Path | None = None) -> str | None:
+  """Why `load_dataset` would refuse `spec` before reading a record (`asearcher eval --check`
+  asks before any model loads), or None when it names a shipped set, a file or a directory
+  under `data_dir`."""
+  if spec in SHIPPED or Path(spec).is_file():
+    return None
+  if data_dir is not None and (Path(data_dir) / spec).is_dir():
+    return None
+  where = f" or a directory under {data_dir}" if data_dir is not None else ""
+  return f"unknown dataset {spec!r}: not a shipped set ({', '.join(SHIPPED)}), a file{where}"
+
+
 def load_dataset(
   spec: str, *, data_dir: str | Path | None = None, split: str = "test", limit: int | None = None
 ) -> list[QAExample]:
@@ -350,17 +362,14 @@ def load_dataset(
 
   `limit` keeps the first N questions (file order), so a subsample is the same on every run.
   """
+  if problem := dataset_problem(spec, data_dir=data_dir):
+    raise DatasetError(problem)
   if spec in SHIPPED:
     examples = load_qa_file(_ASSETS / SHIPPED[spec], name=spec)
   elif Path(spec).is_file():
     examples = load_qa_file(spec)
-  elif data_dir is not None and (Path(data_dir) / spec).is_dir():
-    examples = load_asearcher_layout(data_dir, spec, split)
   else:
-    where = f" or a directory under {data_dir}" if data_dir is not None else ""
-    raise DatasetError(
-      f"unknown dataset {spec!r}: not a shipped set ({', '.join(SHIPPED)}), a file{where}"
-    )
+    examples = load_asearcher_layout(data_dir, spec, split)
   if limit is not None:
     if limit < 1:
       raise DatasetError(f"limit must be >= 1, got {limit}")
