@@ -144,9 +144,9 @@ def check_paths(bindings: Sequence[Binding], where: Callable[[Binding], str]) ->
       except AsearcherError as e:
         raise ConfigError(f"{where(b)}: {_short(b)} = {path!r}: {e}") from None
       if not found:
+        hint = "build it with `asearcher index`" if "index" in b.name else "copy or mount it"
         raise ConfigError(
-          f"{where(b)}: {_short(b)} = {path!r} does not exist on this host (copy or mount it, "
-          "or build it: `asearcher index` for an index)"
+          f"{where(b)}: {_short(b)} = {path!r} does not exist on this host ({hint})"
         )
       checked += 1
   return checked
@@ -302,7 +302,10 @@ def preflight(
   def where(b: Binding) -> str:
     return gin_config.locate(b.selector, b.name, files, params)
 
-  said = [f"{check_paths(bindings, where)} input path(s) exist"]
+  n = check_paths(bindings, where)
+  said = [
+    f"input paths: {n} bound, all exist" if n else "input paths: none bound (the package's own)"
+  ]
   if n := check_datasets(bindings, where):
     said.append(f"{n} dataset(s) known")
   slices = check_slices(bindings, where, overrides)
