@@ -125,6 +125,12 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     action="store_true",
     help="check the configuration (exit 2 on a mistake), run nothing",
   )
+  parser.add_argument(
+    "--check_programs", default="arguments", choices=("none", "arguments", "largest", "all"),
+    help="with --check where libtpu is installed: what the rehearsal compiles for the recipe's "
+    "slice (arguments: weights and state a chip, seconds; largest: the largest programs; all: "
+    "every program; none: no rehearsal)",
+  )  # fmt: skip
   parser.add_argument("--operative_config", help="write gin's operative config here after the run")
   parser.add_argument(
     "--log_level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
@@ -153,8 +159,19 @@ def _help(subcommand: str, gin_files: Sequence[str]) -> str:
   else:
     default = default_gin_file(subcommand)
     files = cli_help.gin_includes(default, GIN_SEARCH_PATHS) if default else []
+  from asearcher_jax.apps import gin_config
+
+  # The values a recipe given binds, shown in place of the code's defaults (a file that does
+  # not parse still gets its help: the code's defaults, and `--check` names the mistake).
+  bound = {}
+  if gin_files:
+    try:
+      configure(subcommand, list(gin_files), [])
+      bound = gin_config.bound_values()
+    except (gin_config.ConfigError, AsearcherError, ValueError):
+      pass
   return cli_help.command_help(
-    subcommand, SUBCOMMANDS[subcommand], files, _REPO_ROOT, default=not gin_files
+    subcommand, SUBCOMMANDS[subcommand], files, _REPO_ROOT, default=not gin_files, bound=bound
   )
 
 
@@ -392,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = ["compile", *rest]
   if argv == ["--check-each"]:
     return _check_each_main()
+  if "--check" in argv:
+    # Nothing runs: JAX on the CPU, libtpu quiet, so the preflight's rehearsal compiles for the
+    # recipe's slice as `asearcher rehearse` does.
+    tpu_env.for_ahead_of_time()
   if argv[:1] == ["rehearse"]:
     tpu_env.for_ahead_of_time()  # like compile: JAX on the CPU, libtpu's compiler for the slice
     return rehearse_main(argv[1:])
@@ -433,11 +454,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"asearcher {args.subcommand}: config error: {e}", file=sys.stderr)
     return 2
   if args.check:
+    from asearcher_jax.apps import preflight
+
+    if args.print_config:
+      import gin
+
+      print(gin.config_str())
     try:
       deep_check(args.subcommand, fn)
-    except AsearcherError as e:
+      checked = preflight.preflight(
+        args.subcommand, fn, files=[*args.gin_files, *args.gin_file], params=args.gin_param,
+        overrides=overrides, programs=args.check_programs,
+      )  # fmt: skip
+    except (ConfigError, AsearcherError) as e:
       print(f"asearcher {args.subcommand}: config error: {str(e).splitlines()[0]}", file=sys.stderr)
       return 2
+    for line in checked:
+      print(f"asearcher {args.subcommand}: {line}")
     print(f"asearcher {args.subcommand}: configuration ok")
     return 0
   from asearcher_jax import compile_cache, distributed

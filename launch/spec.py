@@ -108,7 +108,9 @@ CHIPS: dict[str, Chip] = {
          sizes=(1, 4, 8, 16, 32, 64, 128, 256)),
   )
 }  # fmt: skip
-_BY_PREFIX = {c.type_prefix: c for c in CHIPS.values()}
+# Both spellings of a slice: gcloud's accelerator type ("v5litepod-16") and the planner's and
+# compiler's name ("v5e-16", rl/aot.py SLICES), so a spec and `asearcher compile` take the same.
+_BY_PREFIX = {**{c.name: c for c in CHIPS.values()}, **{c.type_prefix: c for c in CHIPS.values()}}
 PROVISIONING = ("on-demand", "spot", "reserved")
 
 
@@ -126,12 +128,24 @@ class Slice:
   hosts: int
 
 
+def gcloud_type(accelerator_type: str) -> str:
+  """gcloud's spelling of a slice named either way: 'v5e-16' -> 'v5litepod-16' (others as
+  given); the type parse_accelerator accepts."""
+  m = re.fullmatch(r"([a-z0-9]+)-(\d+)", accelerator_type)
+  chip = _BY_PREFIX.get(m.group(1)) if m else None
+  return f"{chip.type_prefix}-{m.group(2)}" if chip is not None else accelerator_type
+
+
 def parse_accelerator(accelerator_type: str, where: str) -> tuple[Chip, int, int]:
-  """'v5p-32' -> (v5p, 16 chips, 4 hosts); SpecError naming `where` otherwise."""
+  """'v5p-32' -> (v5p, 16 chips, 4 hosts), 'v5litepod-16' or 'v5e-16' -> (v5e, 16 chips, 4
+  hosts); SpecError naming `where` otherwise."""
   m = re.fullmatch(r"([a-z0-9]+)-(\d+)", accelerator_type)
   chip = _BY_PREFIX.get(m.group(1)) if m else None
   if chip is None:
-    known = ", ".join(f"{c.type_prefix}-N ({c.name})" for c in CHIPS.values())
+    known = ", ".join(
+      f"{c.type_prefix}-N" + (f" or {c.name}-N" if c.name != c.type_prefix else "")
+      for c in CHIPS.values()
+    )
     raise SpecError(f"{where}: unknown accelerator type {accelerator_type!r} (known: {known})")
   n = int(m.group(2))
   if n not in chip.sizes:
@@ -272,7 +286,7 @@ def from_dict(
   chip, chips, hosts = parse_accelerator(
     _str(t, "accelerator_type", f"{source} [trainer]"), f"{source} [trainer] accelerator_type"
   )
-  trainer = Slice(name=f"{name}-trainer", accelerator_type=t["accelerator_type"], chip=chip,
+  trainer = Slice(name=f"{name}-trainer", accelerator_type=gcloud_type(t["accelerator_type"]), chip=chip,
                   chips=chips, hosts=hosts)  # fmt: skip
   s = d.get("serving", {})
   if not isinstance(s, dict):
@@ -288,7 +302,7 @@ def from_dict(
       "serves one TPU generation, so both must be the same chip"
     )
   serving = tuple(
-    Slice(name=f"{name}-serve-{i}", accelerator_type=s_type, chip=s_chip, chips=s_chips,
+    Slice(name=f"{name}-serve-{i}", accelerator_type=gcloud_type(s_type), chip=s_chip, chips=s_chips,
           hosts=s_hosts)
     for i in range(count)
   )  # fmt: skip

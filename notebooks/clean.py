@@ -11,6 +11,7 @@ tests/notebooks/test_notebooks.py fails on a notebook that this would change.
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 
 import nbformat
@@ -20,6 +21,9 @@ REPO = "asearcher-jax/asearcher_jax"
 BRANCH = "main"
 HERE = Path(__file__).resolve().parent
 BADGE_MARK = "[![Open In Colab]"
+# The release the install cell pins (the tag v<version> of pyproject.toml's version), so a
+# notebook opened later installs the package it was written against, not whatever main is.
+VERSION = tomllib.loads((HERE.parent / "pyproject.toml").read_text())["project"]["version"]
 
 INSTALL = f"""\
 # Colab: install asearcher_jax (a checkout with the package importable skips this).
@@ -28,7 +32,7 @@ import subprocess
 import sys
 
 if importlib.util.find_spec("asearcher_jax") is None:
-  url = "git+https://github.com/{REPO}.git@{BRANCH}"
+  url = "git+https://github.com/{REPO}.git@v{VERSION}"
   subprocess.run([sys.executable, "-m", "pip", "install", "-q", url], check=True)"""
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}

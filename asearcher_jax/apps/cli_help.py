@@ -245,9 +245,13 @@ def _built(gin_files: list[Path], imports: list[tuple[str, str]]) -> set[tuple[s
 
 
 def command_help(name: str, target: str, gin_files: list[Path], repo_root: Path,
-                 *, default: bool = True) -> str:  # fmt: skip
+                 *, default: bool = True,
+                 bound: dict[tuple[str, str], str] | None = None) -> str:  # fmt: skip
   """The full `asearcher NAME --help` text, naming each parameter as a binding must write it with
-  `gin_files` read (the subcommand's defaults unless `default` is False)."""
+  `gin_files` read (the subcommand's defaults unless `default` is False). `bound`: the values
+  those files bind, by (the selector's last two names, parameter); each is shown in place of
+  the code's default (which follows it in the meaning), so `train RECIPE --help` shows the
+  recipe's run, not the smoke run's."""
   module_name, fn_name = target.split(":")
   fn = getattr(importlib.import_module(module_name), fn_name)
   doc = inspect.cleandoc(fn.__doc__ or "").split("\n\nArgs:")[0].strip()
@@ -265,6 +269,12 @@ def command_help(name: str, target: str, gin_files: list[Path], repo_root: Path,
   names = module_names(fn, imports)
   built, owners = _built(gin_files, imports), builders(fn)
   params = parameters(fn, names)
+  bound = bound or {}
+  for i, p in enumerate(params):
+    value = bound.get((".".join(p.selector.split(".")[-2:]), p.name))
+    if value is not None and value != p.default:
+      meaning = f"(default {p.default}) {p.meaning}".rstrip()
+      params[i] = dataclasses.replace(p, default=value, meaning=meaning)
   width = min(max(len(f"{p.selector}.{p.name} = {p.default}") for p in params), 60)
   classes = {_short_selector(c, names): c for c in owners}
   for i, p in enumerate(params):

@@ -87,7 +87,7 @@ def recipe_from_gin(model: ModelConfig | None = None) -> Recipe:
   config = _bound(TrainConfig, TrainConfig())
   try:
     # By name: this module may not import apps.plan (plan compiles through it: a cycle).
-    chip = gin.get_bindings("plan").get("chip", "v5p")
+    chip = mem.chip_name(gin.get_bindings("plan").get("chip", "v5p"))
   except ValueError:
     chip = "v5p"
   return Recipe(

@@ -10,7 +10,9 @@ and bound config dataclasses are built once, here, so a typo costs no model load
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
+import difflib
 import importlib
 import inspect
 import json
@@ -69,7 +71,44 @@ def _one_line(e: BaseException) -> str:
   if isinstance(e, tokenize.TokenError) and e.args:
     text = str(e.args[0])
   first = text.splitlines()[0] if text else type(e).__name__
-  return first.rstrip(".")
+  return first.rstrip(".") + _nearest(first)
+
+
+_NO_PARAMETER = re.compile(
+  r"Configurable '(?P<selector>[^']+)' doesn't have a parameter named '(?P<name>[^']+)'"
+)
+_NO_ATTRIBUTE = re.compile(
+  r"Couldn't resolve selector \S+; <module '(?P<module>[^']+)'.* has no attribute (?P<name>\w+)"
+)
+_NO_CONFIGURABLE = re.compile(r"No configurable matching '(?P<selector>[^']+)'")
+
+
+def _close(name: str, candidates: Collection[str]) -> str:
+  found = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+  return f" (did you mean {found[0]!r}?)" if found else ""
+
+
+def _nearest(message: str) -> str:
+  """The nearest known name to an unknown parameter, selector or module attribute gin refused
+  (difflib), as ` (did you mean 'x'?)`, or "" when nothing is close."""
+  if m := _NO_PARAMETER.search(message):
+    names: set[str] = set()
+    for selector in gin.config._REGISTRY.matching_selectors(m.group("selector")):
+      obj = gin.config._REGISTRY[selector].wrapped
+      with contextlib.suppress(TypeError, ValueError):
+        names |= set(inspect.signature(obj).parameters)
+      if dataclasses.is_dataclass(obj):
+        names |= {f.name for f in dataclasses.fields(obj)}
+    return _close(m.group("name"), names)
+  if m := _NO_ATTRIBUTE.search(message):
+    module = sys.modules.get(m.group("module"))
+    return (
+      _close(m.group("name"), [a for a in dir(module) if not a.startswith("_")]) if module else ""
+    )
+  if m := _NO_CONFIGURABLE.search(message):
+    wanted = m.group("selector").rsplit(".", 1)[-1]
+    return _close(wanted, {s.rsplit(".", 1)[-1] for s in gin.config._REGISTRY})
+  return ""
 
 
 def _where(e: BaseException, source: str) -> str:
@@ -174,6 +213,40 @@ def _flag_message(param: str, e: BaseException) -> str:
     return (f"{selector!r} is not MODULE.FUNCTION.PARAMETER or MODULE.CLASS.FIELD "
             "(`asearcher SUBCOMMAND --help` lists the names)")  # fmt: skip
   return _one_line(e)
+
+
+def resolved(value: Any) -> Any:
+  """A bound value with its `%MACRO`s replaced by their values (recursively, in lists, tuples
+  and dicts); `@x.Y()` references stay references."""
+  if isinstance(value, gin.config.ConfigurableReference):
+    if value.configurable.selector == MACRO:
+      return resolved(gin.query_parameter(f"%{value.scoped_selector.split('/')[0]}"))
+    return value
+  if isinstance(value, list | tuple):
+    return type(value)(resolved(v) for v in value)
+  if isinstance(value, dict):
+    return {k: resolved(v) for k, v in value.items()}
+  return value
+
+
+def bindings() -> Iterator[tuple[str, str, Any]]:
+  """(full selector, parameter, value with macros resolved) of every unscoped binding of the
+  parsed configuration, macros themselves left out."""
+  for (scope, selector), bound in gin.config._CONFIG.items():
+    if scope or selector.startswith("gin."):
+      continue
+    for name, value in bound.items():
+      yield selector, name, resolved(value)
+
+
+def bound_values() -> dict[tuple[str, str], str]:
+  """What the parsed configuration binds, as `asearcher SUBCOMMAND --help` shows it: keyed by
+  (the selector's last two names, parameter), the value as a gin file writes it."""
+  out = {}
+  for selector, name, value in bindings():
+    text = str(value) if isinstance(value, gin.config.ConfigurableReference) else repr(value)
+    out[(".".join(selector.split(".")[-2:]), name)] = text
+  return out
 
 
 # --- checks after parsing -------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 Per chip, for the trainer mesh and one serving replica: parameters, fp32 master weights,
 optimizer state, gradients and update temporaries, activations with remat, KV cache for the
-configured slots and context (rl/plan_memory.py), whether that fits v4 / v5e / v5p / v6e HBM; and
-async vs sync RL throughput from the discrete-event model (rl/plan_sim.py) with the decode and
-train rates estimated from the target chip's peak figures. Recipes bind `planning.plan.*` next to
-their training bindings so one file states the run and its plan. Prints a table, then one JSON
+configured slots and context (rl/plan_memory.py), whether that fits v4 / v5e / v5p / v6e HBM (or
+an H100's / H200's: one GPU counts as a chip, docs/gpu.md); and async vs sync RL throughput from
+the discrete-event model (rl/plan_sim.py) with the decode and train rates estimated from the
+target chip's peak figures. Recipes bind `planning.plan.*` next to their training bindings so
+one file states the run and its plan. Prints a table, then one JSON
 line (also returned as the exit code 0 / 1: 1 when the target chip does not fit).
 """
 
@@ -49,8 +50,9 @@ def estimate(
   """The plan as a dict (GB per chip by part, fits, step times, async vs sync).
   compiled_trainer_bytes: the trainer's bytes per chip from a compile (`asearcher compile`),
   replacing the formula's total (its parts are kept for reference)."""
-  if chip not in mem.CHIPS:
+  if mem.chip_name(chip) not in mem.CHIPS:
     raise ConfigValueError(f"unknown chip {chip!r} (known: {', '.join(mem.CHIPS)})")
+  chip = mem.chip_name(chip)
   t = mem.trainer_memory(model, trainer)
   if compiled_trainer_bytes is not None:
     t = {**t, "formula_total": t["total"], "total": compiled_trainer_bytes}
@@ -161,7 +163,8 @@ def plan(
 
   Args:
     model: The policy's architecture (`presets.model_config()` in recipes).
-    chip: Target chip: one of v4, v5e, v5p, v6e (its HBM and bf16 peak).
+    chip: Target chip: one of v4, v5e (or v5litepod), v5p, v6e, h100, h200 (its HBM, bf16 peak
+      and HBM bandwidth; a GPU counts as a chip).
     trainer: The trainer's mesh, rows and remat (memory per chip and the train step's rate).
     serving: One serving replica: chips, slots and context, fixed or paged cache, replicas,
       prompt and tool tokens (weights + KV cache per chip; the decode and prefill rates).
@@ -177,6 +180,7 @@ def plan(
       the positions each one reads per decode step).
   """
   compiled = source = None
+  chip = mem.chip_name(chip)
   if trainer_from_compile:
     from asearcher_jax.apps import compile as compiling
     from asearcher_jax.rl import aot

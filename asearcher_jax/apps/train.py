@@ -315,7 +315,7 @@ def build_run(
   if not (run / POLICY_CONFIG).exists():  # with the tokenizer: all `asearcher export` needs
     (run / POLICY_CONFIG).write_text(json.dumps(to_hf_config(policy.module.cfg), indent=2) + "\n")
   ckpt = Checkpointer(checkpoint_config(config, run))
-  writer = MetricWriter(local / "metrics")
+  writer = MetricWriter(local / "metrics", config=config.metrics)
   trainer = Trainer(
     config=_trainer_config(config),
     learner=learner,

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from asearcher_jax.agent import registry
 from asearcher_jax.apps.wiring import ToolsConfig
+from asearcher_jax.metric_writer import MetricWriterConfig
 from asearcher_jax.model.sharding import MeshConfig
 from asearcher_jax.model.steps import OptimizerConfig
 from asearcher_jax.rl.learner import PPOConfig
@@ -146,6 +147,9 @@ class TrainConfig:
   # The learner's (data, fsdp, tensor) mesh over every process's devices (-1 fills); None: one
   # device, or every device on fsdp when the program has several processes (jax.distributed).
   mesh: MeshConfig | None = None
+  # Where metrics go besides <run_dir>/metrics/metrics.jsonl: TensorBoard (on by default) and
+  # an optional W&B run (`metric_writer.WandbConfig`), both from process 0 only.
+  metrics: MetricWriterConfig = dataclasses.field(default_factory=MetricWriterConfig)
 
   def __post_init__(self):
     if self.checkpoints_kept < 1:

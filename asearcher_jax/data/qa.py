@@ -402,6 +402,23 @@ def load_asearcher_layout(data_dir: str | Path, name: str, split: str = "test") 
   raise DatasetError(f"no {split}.jsonl or {split}.json in {base}")
 
 
+def dataset_problem(
+  spec: str, *, data_dir: str | Path | None = None, split: str = "test"
+) -> str | None:
+  """Why `load_dataset` would refuse `spec` before reading a record (`asearcher eval --check`
+  asks before any model loads), or None when it names a shipped set, a file, a directory under
+  `data_dir` or a set of Search-R1's merged `{data_dir}/{split}.parquet`."""
+  if spec in SHIPPED or Path(spec).is_file():
+    return None
+  if data_dir is not None and (Path(data_dir) / spec).is_dir():
+    return None
+  merged = Path(data_dir) / f"{split}.parquet" if data_dir is not None else None
+  if merged is not None and spec in SEARCH_R1_SOURCES and merged.is_file():
+    return None
+  where = f" or a directory under {data_dir}" if data_dir is not None else ""
+  return f"unknown dataset {spec!r}: not a shipped set ({', '.join(SHIPPED)}), a file{where}"
+
+
 def load_dataset(
   spec: str, *, data_dir: str | Path | None = None, split: str = "test", limit: int | None = None
 ) -> list[QAExample]:
@@ -411,6 +428,8 @@ def load_dataset(
 
   `limit` keeps the first N questions (file order), so a subsample is the same on every run.
   """
+  if problem := dataset_problem(spec, data_dir=data_dir, split=split):
+    raise DatasetError(problem)
   merged = Path(data_dir) / f"{split}.parquet" if data_dir is not None else None
   if spec in SHIPPED:
     examples = load_qa_file(_ASSETS / SHIPPED[spec], name=spec)
@@ -418,13 +437,8 @@ def load_dataset(
     examples = load_qa_file(spec)
   elif data_dir is not None and (Path(data_dir) / spec).is_dir():
     examples = load_asearcher_layout(data_dir, spec, split)
-  elif merged is not None and spec in SEARCH_R1_SOURCES and merged.is_file():
-    examples = load_search_r1(merged, spec)
   else:
-    where = f" or a directory under {data_dir}" if data_dir is not None else ""
-    raise DatasetError(
-      f"unknown dataset {spec!r}: not a shipped set ({', '.join(SHIPPED)}), a file{where}"
-    )
+    examples = load_search_r1(merged, spec)
   if limit is not None:
     if limit < 1:
       raise DatasetError(f"limit must be >= 1, got {limit}")

@@ -80,11 +80,26 @@ def _slices() -> dict[str, TpuSlice]:
 SLICES: dict[str, TpuSlice] = _slices()
 
 
+# gcloud's accelerator-type prefixes that differ from the generation's name ("v5litepod-16" is
+# v5e-16): either spelling names a slice here, as in launch specs (launch/spec.py).
+GCLOUD_PREFIXES = {"v5litepod": "v5e"}
+
+
+def slice_name(name: str) -> str:
+  """The SLICES name of a slice spelled either way ('v5litepod-16' -> 'v5e-16'); unknown names
+  are returned as given."""
+  prefix, dash, size = name.strip().rpartition("-")
+  return f"{GCLOUD_PREFIXES.get(prefix, prefix)}-{size}" if dash else name
+
+
 def tpu_slice(name: str) -> TpuSlice:
-  """The slice called `name`; an unknown one is one line listing the known ones."""
-  if name not in SLICES:
-    raise ConfigValueError(f"unknown TPU slice {name!r} (known: {', '.join(SLICES)})")
-  return SLICES[name]
+  """The slice called `name` (either spelling); an unknown one is one line listing the known
+  ones."""
+  canonical = slice_name(name)
+  if canonical not in SLICES:
+    aliases = ", ".join(f"{g}-N = {n}-N" for g, n in GCLOUD_PREFIXES.items())
+    raise ConfigValueError(f"unknown TPU slice {name!r} (known: {', '.join(SLICES)}; {aliases})")
+  return SLICES[canonical]
 
 
 def slice_for(generation: str, chips: int) -> TpuSlice:

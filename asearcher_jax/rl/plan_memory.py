@@ -58,7 +58,8 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChipSpec:
-  """One TPU generation's per-chip figures, as the Cloud TPU documentation states them."""
+  """One accelerator's per-chip figures, as its maker's documentation states them (a TPU
+  generation, or an NVIDIA GPU: one GPU is a "chip" here)."""
 
   name: str
   hbm_gb: float  # HBM per chip
@@ -66,7 +67,9 @@ class ChipSpec:
   hbm_gbps: float  # HBM bandwidth
 
 
-# https://cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e (system architecture tables).
+# https://cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e (system architecture tables); NVIDIA's
+# H100 SXM5 and H200 SXM datasheets (dense bf16 without sparsity: 989 TFLOPS; HBM3 80 GB at
+# 3.35 TB/s, HBM3e 141 GB at 4.8 TB/s), for one 8-GPU host (docs/gpu.md).
 CHIPS: dict[str, ChipSpec] = {
   c.name: c
   for c in (
@@ -74,8 +77,21 @@ CHIPS: dict[str, ChipSpec] = {
     ChipSpec(name="v5e", hbm_gb=16.0, bf16_tflops=197.0, hbm_gbps=819.0),
     ChipSpec(name="v5p", hbm_gb=95.0, bf16_tflops=459.0, hbm_gbps=2765.0),
     ChipSpec(name="v6e", hbm_gb=32.0, bf16_tflops=918.0, hbm_gbps=1640.0),
+    ChipSpec(name="h100", hbm_gb=80.0, bf16_tflops=989.0, hbm_gbps=3350.0),
+    ChipSpec(name="h200", hbm_gb=141.0, bf16_tflops=989.0, hbm_gbps=4800.0),
   )
 }
+
+# Other spellings of a chip: gcloud's accelerator-type prefix ("v5litepod-16" is 16 v5e chips)
+# and NVIDIA's upper case; `chip_name` maps them onto CHIPS.
+CHIP_ALIASES = {"v5litepod": "v5e"}
+
+
+def chip_name(name: str) -> str:
+  """The CHIPS name of a chip spelled any accepted way ('v5litepod' -> 'v5e', 'H100' ->
+  'h100'); an unknown name is returned as given (lower case)."""
+  name = name.strip().lower()
+  return CHIP_ALIASES.get(name, name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

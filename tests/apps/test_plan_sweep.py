@@ -246,3 +246,26 @@ def test_sweep_lanes_run_points_at_once_in_order_per_lane():
   order = [i for i, _ in sorted(started, key=lambda x: x[1])]
   assert order.index(0) < order.index(2) < order.index(4)  # lane 0 in order
   assert order.index(1) < order.index(3)  # lane 1 in order
+
+
+def test_plan_of_the_8_gpu_host_knows_h100_and_h200():
+  """gin/overlays/gpu_8x.gin on the 7B recipe: the learner on 4 GPUs and 2 replicas of 2 fit an
+  H100's 80 GB and an H200's 141 GB; the H200's bandwidth (4.8 against 3.35 TB/s) shortens the
+  decode step in that ratio (both at the same 989 bf16 TFLOP/s: the same train step)."""
+  recipe = "gin/experiments/asearcher_local_qwen2_5_7b.gin"
+  plans = {}
+  for chip in ("h100", "H200"):  # the chip as written either way
+    rc, out = run_main(["plan", recipe, "--gin_file=gin/overlays/gpu_8x.gin",
+                        f"--gin_param=planning.plan.chip='{chip}'"])  # fmt: skip
+    plans[chip.lower()] = p = json.loads(out.strip().splitlines()[-1])
+    assert rc == 0 and p["chip"] == chip.lower()
+    assert p["trainer_fits"][chip.lower()] and p["serving_fits"][chip.lower()]
+  h100, h200 = plans["h100"], plans["h200"]
+  assert 30 < h100["trainer_gb_per_chip"]["total"] < 0.9 * 80  # 4-way FSDP of a 7B learner
+  assert h100["trainer_gb_per_chip"]["total"] > 0.9 * 16  # a v5e chip could not hold it
+  assert not h100["trainer_fits"]["v5e"]
+  assert h200["weights_only"]["decode_token_ms"] / h100["weights_only"]["decode_token_ms"] == (
+    pytest.approx(3350 / 4800, rel=0.02)
+  )
+  assert h200["train_step_s"] == h100["train_step_s"]
+  assert h200["async_step_s"] < h100["async_step_s"]

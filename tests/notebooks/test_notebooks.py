@@ -37,6 +37,7 @@ def test_the_five_notebooks_are_stored_clean():
     assert all(c.metadata == {} for c in nb.cells) and set(nb.metadata) == {"colab", "kernelspec"}
     assert f"notebooks/{name})" in nb.cells[0].source and "colab-badge.svg" in nb.cells[0].source
     assert "pip" in nb.cells[1].source and f"github.com/{clean.REPO}.git" in nb.cells[1].source
+    assert f".git@v{clean.VERSION}" in nb.cells[1].source  # a pinned release, not a branch
 
 
 def test_clean_strips_outputs_and_restores_the_badge(tmp_path):

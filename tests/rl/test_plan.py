@@ -49,12 +49,15 @@ def test_serving_memory_and_fits():
   assert s["kv_cache"] == 64 * 32768 * 57344 / 4
   assert s["params"] == m.num_params() * 2 / 4
   fits = mem.fits(s["total"])
-  assert fits == {"v4": False, "v5e": False, "v5p": True, "v6e": False}  # 33.9 GB per chip
+  # 33.9 GB per chip
+  assert fits == {"v4": False, "v5e": False, "v5p": True, "v6e": False, "h100": True, "h200": True}
   assert {c.name: c.hbm_gb for c in mem.CHIPS.values()} == {
     "v4": 32.0,
     "v5e": 16.0,
     "v5p": 95.0,
     "v6e": 32.0,
+    "h100": 80.0,
+    "h200": 141.0,
   }
 
 
