@@ -210,7 +210,8 @@ class EvalRunner:
       "seed": config.seed,
       "eval_mode": config.eval_mode,
     }  # fmt: skip
-    agent_name = str(identity.get("agent", "agent"))
+    # A "module:Class" agent names its directory by the class (no ':' or '.' in a path part).
+    agent_name = str(identity.get("agent", "agent")).rpartition(":")[2].rpartition(".")[2]
     self.run_dir = Path(config.output_dir) / f"{agent_name}-{config_key(self.identity)}"
     self.store = SnapshotStore(self.run_dir)
     self._running: collections.Counter[str] = collections.Counter()
