@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from asearcher_jax.tools import registry
 from asearcher_jax.tools.base import InvalidArgument, Rendered, Tool, ToolBoxConfig, ToolJob
 from asearcher_jax.tools.cache import normalize_query, normalize_url
 from asearcher_jax.tools.http_retry import CallStats
@@ -153,5 +152,5 @@ class AccessTool(Tool):
       await self.backend.close()
 
 
-registry.register("search", SearchTool)
-registry.register("access", AccessTool)
+# What `tools.registry` registers first, in this order (the protocol's extraction order).
+BUILTIN_TOOLS: dict[str, type[Tool]] = {"search": SearchTool, "access": AccessTool}

@@ -19,9 +19,13 @@ _TOOLS: dict[str, type[Tool]] = {}
 
 
 def _builtins() -> None:
-  """The built-in tools register themselves on import; importing here keeps the registry
-  complete whichever module a program imported first."""
-  import asearcher_jax.tools.builtin  # noqa: F401
+  """Registers the tools `tools.builtin` declares, first, whichever module a program imported
+  first (imported by name: builtin's tools are registry readers' subjects, not its imports)."""
+  if "search" in _TOOLS:
+    return
+  builtin = importlib.import_module("asearcher_jax.tools.builtin")
+  for name, cls in builtin.BUILTIN_TOOLS.items():
+    _TOOLS.setdefault(name, cls)
 
 
 def register(name: str, cls: type[Tool] | str) -> type[Tool]:
@@ -29,6 +33,7 @@ def register(name: str, cls: type[Tool] | str) -> type[Tool]:
 
   Registering the same class again is a no-op; another class under a taken name is an error.
   """
+  _builtins()
   if isinstance(cls, str):
     cls = load_class(cls, Tool, "tool")
   if not (isinstance(cls, type) and issubclass(cls, Tool)):
@@ -101,6 +106,7 @@ def stat_names() -> dict[str, str]:
 def build(spec: str | Tool) -> Tool:
   """A tool instance: an instance as given, or a class by name / `"module:Class"` built with its
   defaults (a tool that needs arguments is given as an instance, e.g. from gin)."""
+  _builtins()
   if isinstance(spec, Tool):
     if _TOOLS.get(spec.tag) is None:
       register(spec.tag, type(spec))
