@@ -64,6 +64,12 @@ except BaseException as e:  # the traceback from the model's code on, without th
 """
 
 
+def _kill(pid: int) -> None:
+  """SIGKILL to the child's whole process group (its session: whatever it spawned too)."""
+  with contextlib.suppress(ProcessLookupError, PermissionError):  # it has just exited
+    os.killpg(pid, signal.SIGKILL)
+
+
 def _cut(text: str, n: int, *, tail: bool = False) -> str:
   if len(text) <= n:
     return text
@@ -87,7 +93,7 @@ class PythonTool(Tool):
 
   async def call(self, argument: str) -> ToolOutput:
     cfg = self.config
-    async with self._slots:
+    async with self._slots:  # waiting here is bounded by the ToolBox's per-call timeout
       with tempfile.TemporaryDirectory(prefix="python_tool_") as workdir:
         try:
           proc = await asyncio.create_subprocess_exec(
@@ -105,10 +111,12 @@ class PythonTool(Tool):
             out, err = await proc.communicate()
         except TimeoutError:
           timed_out = True
-          with contextlib.suppress(ProcessLookupError, PermissionError):  # it just exited
-            os.killpg(proc.pid, signal.SIGKILL)
+          _kill(proc.pid)
           async with asyncio.timeout(10):
             out, err = await proc.communicate()
+        finally:  # cancelled from outside (the ToolBox's own timeout): no child outlives the call
+          if proc.returncode is None:
+            _kill(proc.pid)
     return self._render(proc.returncode, out, err, timed_out)
 
   def _render(self, code: int | None, out: bytes, err: bytes, timed_out: bool) -> ToolOutput:

@@ -73,6 +73,18 @@ async def test_examples_python_tool_runs_code_within_its_limits():
   long = await tool.call("print('a' * 500)")
   assert "a" * 50 + "...[451 chars cut]" in long.text and "a" * 51 not in long.text
 
+  # Cancelled from outside (a ToolBox timeout shorter than the tool's): the child is killed too.
+  slow = PythonTool(PythonToolConfig(timeout_s=30.0))
+  marker = f"python_tool_cancel_{os.getpid()}"
+  task = asyncio.create_task(slow.call(f"import time  # {marker}\ntime.sleep(30)"))
+  await asyncio.sleep(1.0)
+  task.cancel()
+  with pytest.raises(asyncio.CancelledError):
+    await task
+  await asyncio.sleep(0.2)
+  ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=10).stdout
+  assert marker not in ps
+
   isolated = await tool.call("import os; print(os.listdir('.'), 'PYTHONPATH' in os.environ)")
   assert "[] False" in isolated.text  # an empty working directory, no inherited environment
 
