@@ -2,9 +2,9 @@
 
 An act turn stops on the closing tag of each of its ToolBox's tools (`</search>`, `</access>`, and
 any registered tool's) or `</answer>` (or EOS). A tool result becomes read jobs (search results:
-one; a page: one per 25k-char chunk; another tool's output: one); each job is appended in full followed
-by an opened `<think>` for exactly one read turn that stops on `</think>`, and the context policy
-(chunk-and-compact by default) then swaps it for its stub. Turn and token budgets are checked
+one; a page: one per 25k-char chunk; another tool's output: one); each job is appended in full
+followed by an opened `<think>` for exactly one read turn that stops on `</think>`, and the context
+policy (chunk-and-compact by default) then swaps it for its stub. Turn and token budgets are checked
 before every call; read turns count as turns, as in the original.
 """
 
@@ -171,7 +171,10 @@ class AsearcherAgent(Agent):
     tool = tools.get(action.kind)
     if tool is None:
       cls = tool_registry.get(action.kind)
-      tool = cls() if cls is not None else None
+      try:
+        tool = cls() if cls is not None else None
+      except TypeError:  # a tool that needs arguments to be built: shown as nothing found
+        tool = None
     if tool is None:
       return [(ToolJob(NO_RESULTS, NO_RESULTS), action.kind)]
     value = result.value if result is not None else None

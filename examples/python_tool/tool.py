@@ -46,7 +46,7 @@ class PythonToolConfig:
       )
 
 
-# Runs first in the child: limits, then the model's code as __main__ (argv: memory MiB, CPU s, code).
+# Runs first in the child: limits, then the model's code as __main__ (argv: MiB, CPU s, code).
 _BOOT = """\
 import resource, sys
 mem, cpu, src = int(sys.argv[1]) * 1048576, int(sys.argv[2]), sys.argv[3]
