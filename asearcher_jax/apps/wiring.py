@@ -122,6 +122,8 @@ class ToolsConfig:
       raise ValueError(f"tools kind must be 'local', 'web' or 'none', got {self.kind!r}")
     if self.web_access not in ("jina", "direct"):
       raise ValueError(f"web_access must be 'jina' or 'direct', got {self.web_access!r}")
+    if self.kind == "none" and self.extra:
+      raise ValueError("tools kind 'none' gives the agents no ToolBox, so no extra tools either")
     for spec in self.extra:  # an unknown name or an unimportable class fails here, in one line
       if isinstance(spec, str):
         tool_registry.resolve(spec)
