@@ -59,7 +59,8 @@ def resolve(name: str, config: Any = None) -> tuple[type[Agent], Any]:
   if key not in AGENTS and ":" in key:
     register(key, key)
   if key not in AGENTS:
-    raise AsearcherError(f"agent must be one of {sorted(AGENTS)} or 'module:Class', got {name!r}")
+    named = sorted(k for k in AGENTS if ":" not in k)  # entry points resolved earlier aside
+    raise AsearcherError(f"agent must be one of {named} or 'module:Class', got {name!r}")
   cls, config_cls = AGENTS[key]
   if config_cls is None:
     return cls, config

@@ -53,6 +53,19 @@ def fresh_gin():
   gin.clear_config()
 
 
+@pytest.fixture(autouse=True)
+def restore_registries():
+  """The example's tool and agent are forgotten afterwards (the registries are global, and other
+  tests read the lists of tools and agents)."""
+  tool_registry.tags()
+  tools, agents = dict(tool_registry._TOOLS), dict(agent_registry.AGENTS)
+  yield
+  tool_registry._TOOLS.clear()
+  tool_registry._TOOLS.update(tools)
+  agent_registry.AGENTS.clear()
+  agent_registry.AGENTS.update(agents)
+
+
 async def test_examples_python_tool_runs_code_within_its_limits():
   tool = PythonTool(PythonToolConfig(timeout_s=1.0, memory_mb=128, max_output_chars=50))
   ok = await tool.call("print(sum(range(10)))")
