@@ -2,7 +2,10 @@
 
   up      queued resources for the trainer slice and every serving slice (waits for ACTIVE)
   setup   the same bootstrap on every worker (launch/bootstrap.sh: Python, the pinned
-          requirements + jax[tpu], this package at --commit, the bucket mounted)
+          requirements + jax[tpu], this package at --commit, the bucket mounted); refuses a
+          working tree with uncommitted or untracked (not ignored) files, which the commit's
+          archive would leave out, unless --allow-dirty (--dry-run ships nothing, so it only
+          prints)
   start   retrieval server, serve-model on every serving host, the trainer on every trainer
           worker (jax.distributed environment), servers found through address files
   status  queued-resource states and which launched processes are alive
@@ -56,6 +59,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--to", help="fetch: the local directory the run's metrics are copied into")
   p.add_argument("--commit", help="commit to install on the workers (default: HEAD's hash)")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+  p.add_argument(
+    "--allow-dirty", action="store_true",
+    help="setup: ship the commit although the working tree has uncommitted or untracked files",
+  )  # fmt: skip
   p.add_argument("--lines", type=int, default=50, help="logs: lines per log")
   p.add_argument(
     "--programs", choices=("all", "largest", "arguments"), default="all",
@@ -163,6 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = spec_lib.with_run_dir(spec_lib.load(a.spec, a.experiment), a.run_dir)
     if a.action == "rehearse":
       return rehearse(spec, tuple(a.gin_param), a.programs)
+    if a.action == "setup" and not (a.allow_dirty or a.dry_run):  # a dry run ships nothing
+      dirty = gcloud.dirty_files(gcloud.REPO)
+      if dirty:
+        shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+        print(f"launch setup: {len(dirty)} uncommitted or untracked file(s) in {gcloud.REPO} "
+              f"({shown}) would not be shipped (setup ships `git archive` of a commit): commit "
+              "them or pass --allow-dirty", file=sys.stderr)  # fmt: skip
+        return 2
     commit = a.commit or (_head() if a.action == "setup" else "HEAD")
     if a.action == "logs":
       commands = gcloud.logs(spec, a.lines)

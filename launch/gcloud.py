@@ -204,6 +204,16 @@ def _state(spec: ClusterSpec, s: Slice) -> Command:
                        *_where(spec), "--format=value(state.state)"), capture=f"state:{s.name}")  # fmt: skip
 
 
+def dirty_files(repo: str | os.PathLike) -> list[str]:
+  """Paths with uncommitted changes and untracked files git does not ignore: the work `setup`'s
+  `git archive` of a commit would silently leave behind."""
+  out = subprocess.run(
+    ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=all"],
+    check=True, capture_output=True, text=True, timeout=60,
+  ).stdout  # fmt: skip
+  return [line[3:] for line in out.splitlines() if line.strip()]
+
+
 def setup(spec: ClusterSpec, commit: str) -> list[Command]:
   """The same bootstrap on every worker: the code at `commit` (a tarball through the bucket),
   Python 3.11, requirements.txt + jax[tpu] at the pinned jax version, the bucket mounted."""

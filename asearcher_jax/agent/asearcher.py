@@ -1,9 +1,10 @@
 """The ASearcher base-model agent: one growing token context, act turns and read turns.
 
-An act turn stops on `</search>`, `</access>`, `</answer>` (or EOS). A tool result becomes read
-jobs (search results: one; a page: one per 25k-char chunk); each job is appended in full followed
-by an opened `<think>` for exactly one read turn that stops on `</think>`, and the context policy
-(chunk-and-compact by default) then swaps it for its stub. Turn and token budgets are checked
+An act turn stops on the closing tag of each of its ToolBox's tools (`</search>`, `</access>`, and
+any registered tool's) or `</answer>` (or EOS). A tool result becomes read jobs (search results:
+one; a page: one per 25k-char chunk; another tool's output: one); each job is appended in full
+followed by an opened `<think>` for exactly one read turn that stops on `</think>`, and the context
+policy (chunk-and-compact by default) then swaps it for its stub. Turn and token budgets are checked
 before every call; read turns count as turns, as in the original.
 """
 
@@ -18,14 +19,8 @@ from asearcher_jax.agent.context import ChunkAndCompact, Context, ContextPolicy,
 from asearcher_jax.agent.trajectory import ToolEvent, Trajectory
 from asearcher_jax.serving.types import GenerationClient, SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
-from asearcher_jax.tools.toolbox import (
-  ToolBox,
-  ToolBoxConfig,
-  ToolJob,
-  ToolResult,
-  page_jobs,
-  search_job,
-)
+from asearcher_jax.tools import registry as tool_registry
+from asearcher_jax.tools.toolbox import NO_RESULTS, ToolBox, ToolBoxConfig, ToolJob, ToolResult
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +72,7 @@ class AsearcherAgentConfig:
       page_chunk_chars=self.page_chunk_chars,
       max_page_chunks=self.max_page_chunks,
       stub_chars=self.stub_chars,
+      compact_search_results=self.compact_search_results,
     )
 
 
@@ -89,6 +85,7 @@ class _Job:
 
 class AsearcherAgent(Agent):
   name = "asearcher"
+  config_class = AsearcherAgentConfig
 
   def __init__(
     self,
@@ -121,13 +118,15 @@ class AsearcherAgent(Agent):
     traj.prompt_text = self.prompt(traj.question, traj.valid_inst)
     ctx = Context([Segment("prompt", self.tokenizer.encode(traj.prompt_text), pinned=True)])
     jobs: collections.deque[_Job] = collections.deque()
+    tags = self.action_tags()
+    act_stops = protocol.act_stops(tags)
     while True:
       if len(traj.calls) >= cfg.max_turns:
         traj.finish_reason = "turn_limit"
         return
       for r in self.policy.apply(ctx):
         traj.removals.append(dataclasses.replace(r, before_call=len(traj.calls)))
-      kind, stop = "act", protocol.ACT_STOPS
+      kind, stop = "act", act_stops
       if jobs:
         kind, stop = "read", protocol.READ_STOPS
         ctx.append(self._job_segment(jobs.popleft()))
@@ -139,7 +138,7 @@ class AsearcherAgent(Agent):
       if call is None:
         return
       ctx.append(Segment("generation", call.output_ids.tolist(), label=kind))
-      parsed = protocol.parse(call.text)
+      parsed = protocol.parse(call.text, tags=tags)
       call.format_problems = parsed.format.problems
       if call.stop_reason == "abort":
         self.fail(traj, "abort", "engine: generation aborted")
@@ -147,7 +146,7 @@ class AsearcherAgent(Agent):
       action = parsed.action
       if action is not None:
         call.action = action.tag
-        if action.kind == "answer":
+        if action.kind == protocol.ANSWER:
           traj.pred_answer = action.argument
           traj.finish_reason = "answer"
           return
@@ -166,17 +165,21 @@ class AsearcherAgent(Agent):
         return
 
   def _jobs(self, result: ToolResult | None, action: protocol.Action) -> list[tuple[ToolJob, str]]:
-    """Read jobs rendered with this agent's limits (the ToolBox's own rendering is its default)."""
-    tb = self.config.toolbox_config()
-    if action.kind == "search":
-      docs = list(result.documents) if result is not None else []
-      job = search_job(docs[: tb.topk], tb.doc_chars, tb.doc_sentences)
-      if self.config.compact_search_results and docs:
-        links = "\n".join(f"[Doc {k}]({d.url})" for k, d in enumerate(docs[: tb.topk], 1))
-        job = ToolJob(job.text, f"<information>\n{links}\n</information>")
-      return [(job, "search")]
-    page = result.page if result is not None else None
-    return [(j, f"page {i + 1}") for i, j in enumerate(page_jobs(page, tb))]
+    """Read jobs rendered with this agent's limits (the ToolBox's own rendering is its default)
+    by the tool that ran (or the registered class of its tag, when the call never reached it)."""
+    tools = getattr(self.toolbox, "tools", None) or {}
+    tool = tools.get(action.kind)
+    if tool is None:
+      cls = tool_registry.get(action.kind)
+      try:
+        tool = cls() if cls is not None else None
+      except TypeError:  # a tool that needs arguments to be built: shown as nothing found
+        tool = None
+    if tool is None:
+      return [(ToolJob(NO_RESULTS, NO_RESULTS), action.kind)]
+    value = result.value if result is not None else None
+    rendered = tool.render(value, self.config.toolbox_config())
+    return [(j, j.label or action.kind) for j in rendered.jobs]
 
   def _job_segment(self, job: _Job) -> Segment:
     """`\\n\\n` + text + `\\n<think>\\n`, tokenized once; the stub likewise, if it differs."""

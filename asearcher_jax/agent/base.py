@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from asearcher_jax.agent import protocol
 from asearcher_jax.agent.protocol import Action
 from asearcher_jax.agent.trajectory import LLMCall, ToolEvent, Trajectory
 from asearcher_jax.serving.types import EngineError, GenerationClient, SamplingParams
@@ -37,6 +38,9 @@ class Agent(abc.ABC):
   """Template method: `run` owns timing and failure handling, subclasses write `_episode`."""
 
   name = "agent"
+  # The agent's frozen config class (what `registry.resolve` checks a config against and builds
+  # by default); None: the agent takes no config.
+  config_class: type | None = None
 
   def __init__(
     self,
@@ -136,7 +140,7 @@ class Agent(abc.ABC):
   async def call_tool(
     self, traj: Trajectory, action: Action
   ) -> tuple[ToolResult | None, ToolEvent]:
-    """Executes a search/access action; tool trouble is an environment failure, never a raise."""
+    """Executes a tool action; tool trouble is an environment failure, never a raise."""
     event = ToolEvent(
       after_call=len(traj.calls) - 1, name=action.kind, argument=action.argument, text=""
     )
@@ -161,6 +165,11 @@ class Agent(abc.ABC):
       traj.environment_failure = True
       traj.errors.append(f"tool: {result.stats.error}")
     return result, event
+
+  def action_tags(self) -> tuple[str, ...]:
+    """The tags this agent acts with: its ToolBox's tools (every registered tool when the
+    ToolBox does not say), then answer."""
+    return protocol.action_tags(getattr(self.toolbox, "tags", None))
 
   def elapsed(self) -> float:
     return time.perf_counter() - self._t0

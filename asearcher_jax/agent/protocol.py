@@ -2,22 +2,45 @@
 
 Parsing never raises and never backtracks: every scan is `str.find` from left to right, so a 1 MB
 generation with thousands of unclosed tags costs one pass. The extraction rule is ASearcher's
-(for search, access, answer in that order take the *last* complete non-greedy match; execute the
-first of them), and the format gate is its `correct_format_fn` plus two stray-token checks.
+(for each tool tag in registration order, then answer, take the *last* complete non-greedy match;
+execute the first of them), and the format gate is its `correct_format_fn` plus two stray-token
+checks. The tool tags come from `tools.registry` (built-ins `search`, `access` first), or from the
+agent's own ToolBox, so a registered tool is parsed without an edit here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Literal
 
-ActionKind = Literal["search", "access", "answer"]
-TOOL_TAGS: tuple[ActionKind, ...] = ("search", "access", "answer")
-ACT_STOPS: tuple[str, ...] = ("</search>", "</access>", "</answer>")
+from asearcher_jax.tools import registry
+
+# A tool's tag (`tools.registry.tags()`) or ANSWER.
+ActionKind = str
+ANSWER = "answer"
 READ_STOPS: tuple[str, ...] = ("</think>",)
 # A new chat turn inside a generation means the model is writing the other side's lines.
 ROLE_STRINGS: tuple[str, ...] = ("Assistant", "assistant", "<|im_start|>")
+
+
+def action_tags(tools: Sequence[str] | None = None) -> tuple[str, ...]:
+  """The tags a generation may act with: `tools` (default: every registered tool), then answer."""
+  tools = registry.tags() if tools is None else tools
+  return (*(t for t in tools if t != ANSWER), ANSWER)
+
+
+def act_stops(tags: Sequence[str] | None = None) -> tuple[str, ...]:
+  """The stop strings of an act turn: each action tag's closing tag."""
+  return tuple(f"</{t}>" for t in (action_tags() if tags is None else tags))
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+  """`TOOL_TAGS` / `ACT_STOPS` read the registry when used (a tool registered later counts)."""
+  if name == "TOOL_TAGS":
+    return action_tags()
+  if name == "ACT_STOPS":
+    return act_stops()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +67,7 @@ class Parsed:
   """One generation, parsed.
 
   Attributes:
-    actions: the last complete match per tag kind, in the order search, access, answer.
+    actions: the last complete match per tag kind, in the order of the tags (tools, answer).
     action: the one to execute (the first of `actions`), or None.
     think: the reasoning before the first `</think>` (a leading `<think>` dropped), or None.
     format: the format gate's verdict for this generation alone.
@@ -82,9 +105,9 @@ def last_match(text: str, tag: str) -> str | None:
   return None if found is None else text[found[0] : found[1]].strip()
 
 
-def extract_actions(text: str, kinds: Sequence[ActionKind] = TOOL_TAGS) -> tuple[Action, ...]:
+def extract_actions(text: str, kinds: Sequence[ActionKind] | None = None) -> tuple[Action, ...]:
   out = []
-  for kind in kinds:
+  for kind in action_tags() if kinds is None else kinds:
     arg = last_match(text, kind)
     if arg is not None:
       out.append(Action(kind, arg))
@@ -92,7 +115,7 @@ def extract_actions(text: str, kinds: Sequence[ActionKind] = TOOL_TAGS) -> tuple
 
 
 def extract_answer(text: str) -> str | None:
-  return last_match(text, "answer")
+  return last_match(text, ANSWER)
 
 
 def _balanced(text: str, tag: str) -> bool:
@@ -121,14 +144,15 @@ def check_format(
   max_tool_tags: int = 1,
   max_think_close: int | None = 1,
   role_strings: Sequence[str] = ROLE_STRINGS,
-  tags: Sequence[str] = TOOL_TAGS,
+  tags: Sequence[str] | None = None,
 ) -> FormatCheck:
-  """ASearcher's gate for one generation: balanced tags, at most one tool tag (search, access and
-  answer together), no role strings, at most one `</think>`.
+  """ASearcher's gate for one generation: balanced tags, at most one tool tag (every action tag
+  together, answer included), no role strings, at most one `</think>`.
 
   "Balanced" is stricter than the original's count equality: `</search><search>` fails too.
   """
   problems = []
+  tags = action_tags() if tags is None else tags
   for tag in tags:
     if not _balanced(text, tag):
       problems.append(f"unbalanced <{tag}> tags")
@@ -152,12 +176,14 @@ def parse_think(text: str) -> str | None:
   return (head[start + len("<think>") :] if start >= 0 else head).strip()
 
 
-def parse(text: str, **format_kwargs) -> Parsed:
-  """Parse one generation; never raises for any `str` (non-ASCII, stray specials, huge)."""
-  actions = extract_actions(text)
+def parse(text: str, *, tags: Sequence[str] | None = None, **format_kwargs) -> Parsed:
+  """Parse one generation against `tags` (default: `action_tags()`); never raises for any `str`
+  (non-ASCII, stray specials, huge)."""
+  tags = action_tags() if tags is None else tuple(tags)
+  actions = extract_actions(text, tags)
   return Parsed(
     actions=actions,
     action=actions[0] if actions else None,
     think=parse_think(text),
-    format=check_format(text, **format_kwargs),
+    format=check_format(text, tags=tags, **format_kwargs),
   )

@@ -93,6 +93,9 @@ class _State:
 
 class ReasoningAgent(Agent):
   name = "reasoning"
+  config_class = ReasoningAgentConfig
+  # The original's two tools: this agent renders documents and pages, not other tools' output.
+  tools = ("search", "access")
 
   def __init__(
     self,
@@ -258,7 +261,7 @@ class ReasoningAgent(Agent):
   def _choose(self, text: str, phase: str) -> protocol.Action | None:
     """The first of search, access, answer present; an answer outside the answer phase is
     discarded (the model was not offered it)."""
-    for a in protocol.extract_actions(text):
+    for a in protocol.extract_actions(text, protocol.action_tags(self.tools)):
       if a.kind != "answer" or phase == "answer":
         return a
     return None

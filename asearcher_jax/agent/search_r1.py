@@ -66,6 +66,7 @@ def parse_query(text: str) -> str | None:
 
 class SearchR1Agent(Agent):
   name = "search_r1"
+  config_class = SearchR1AgentConfig
 
   def __init__(
     self,

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from asearcher_jax.agent.context import Removal
+from asearcher_jax.tools import registry as tool_registry
 
 TrainStop = Literal["stop", "length", "abort", "turn_limit"]
 # Why an episode ended. turn_limit / token_limit: a budget ran out before an answer.
@@ -92,6 +93,14 @@ class LLMCall:
     return cls(**d)
 
 
+def tool_counts(events: Sequence[ToolEvent]) -> dict[str, float]:
+  """`num_<tag>`: calls per tool, for every registered tool (zeros included, so every trajectory
+  of a run has the same keys) and any other tag the episode called."""
+  names = [e.name for e in events]
+  tags = dict.fromkeys((*tool_registry.tags(), *names))
+  return {f"num_{tag}": float(names.count(tag)) for tag in tags}
+
+
 @dataclasses.dataclass(kw_only=True)
 class ToolEvent:
   """One executed tool call and what the agent was shown.
@@ -99,7 +108,8 @@ class ToolEvent:
   Attributes:
     after_call: index of the LLM call that asked for it.
     text: the full agent-visible text of all its read jobs.
-    num_jobs: read turns it produced (1 for search, 1..10 page chunks).
+    num_jobs: read turns it produced (1 for search results or a tool's output, 1..10 page
+      chunks).
     num_tokens: tokens of `text` as tokenized into the context (0 if not shown yet).
     stats: the ToolBox's per-call stats (provider, latency, cache, errors...).
   """
@@ -264,8 +274,8 @@ class Trajectory:
       "num_llm_calls": float(len(self.calls)),
       "num_act_calls": float(sum(k in ("act", "answer") for k in kinds)),
       "num_read_calls": float(kinds.count("read")),
-      "num_search": float(sum(t.name == "search" for t in self.tools)),
-      "num_access": float(sum(t.name == "access" for t in self.tools)),
+      "num_tool_calls": float(len(self.tools)),
+      **tool_counts(self.tools),
       "num_tool_failures": float(sum(t.environment_failure for t in self.tools)),
       "num_output_tokens": float(sum(c.output_ids.size for c in self.calls)),
       "max_input_tokens": float(max((c.input_ids.size for c in self.calls), default=0)),

@@ -127,6 +127,9 @@ class EvalTools:
   cache: str = "off"
   # The cache file; None: {output_dir}/tool_cache.sqlite.
   cache_path: str | None = None
+  # More tools beside search and access: registered names, "module:Class" strings, or Tool
+  # instances (see `wiring.ToolsConfig.extra`).
+  extra: tuple[Any, ...] = ()
 
 
 def evaluate(
@@ -365,6 +368,14 @@ async def _index_identity(local: LocalRetrievalConfig | None) -> dict[str, Any] 
   return None
 
 
+def _tool_identity(spec: Any) -> str:
+  """A tool as the run directory's identity names it: its spec, or its class and config."""
+  if isinstance(spec, str):
+    return spec
+  config = getattr(spec, "config", None)
+  return f"{type(spec).__module__}:{type(spec).__qualname__}" + (f" {config!r}" if config else "")
+
+
 async def _evaluate(
   data: dict[str, Any],
   *,
@@ -395,10 +406,12 @@ async def _evaluate(
       addresses=tuple(tools.retrieval_addresses), addr_dir=tools.retrieval_addr_dir
     )
   toolbox = make_toolbox(
-    search=search, access=access, local=local, cache=cache,
+    search=search, access=access, local=local, cache=cache, tools=tools.extra,
     config=agent_config.toolbox_config() if hasattr(agent_config, "toolbox_config") else None,
   )  # fmt: skip
   identity_tools = {"search": search, "access": access, "index": await _index_identity(local)}
+  if tools.extra:  # a run with another tool set is another configuration (its own run dir)
+    identity_tools["extra"] = [_tool_identity(t) for t in tools.extra]
   owned = parts is None
   client, tokenizer, gen_identity, closer = parts or _generation_client(generation)
   llm_judge = None
@@ -412,7 +425,9 @@ async def _evaluate(
       ),
       identity={
         "agent": agent,
-        "agent_config": dataclasses.asdict(agent_config),
+        "agent_config": (
+          dataclasses.asdict(agent_config) if dataclasses.is_dataclass(agent_config) else None
+        ),
         **gen_identity,
         "tools": identity_tools,
       },

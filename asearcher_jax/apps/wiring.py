@@ -23,6 +23,7 @@ from asearcher_jax.model.transformer import Transformer
 from asearcher_jax.serving.driver import Driver, DriverConfig
 from asearcher_jax.serving.engine import Engine, EngineConfig
 from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.tools import registry as tool_registry
 from asearcher_jax.tools.access import FetchConfig, JinaConfig
 from asearcher_jax.tools.budget import BudgetConfig
 from asearcher_jax.tools.cache import CacheConfig
@@ -111,12 +112,21 @@ class ToolsConfig:
   cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
   # Prices of paid calls and the spending limit.
   budget: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
+  # More tools beside search and access (not with kind "none"): registered names,
+  # "module:Class" strings (a tool outside the package, built with its defaults), or Tool
+  # instances (gin: `[@my_tool.MyTool()]`).
+  extra: tuple[Any, ...] = ()
 
   def __post_init__(self):
     if self.kind not in ("local", "web", "none"):
       raise ValueError(f"tools kind must be 'local', 'web' or 'none', got {self.kind!r}")
     if self.web_access not in ("jina", "direct"):
       raise ValueError(f"web_access must be 'jina' or 'direct', got {self.web_access!r}")
+    if self.kind == "none" and self.extra:
+      raise ValueError("tools kind 'none' gives the agents no ToolBox, so no extra tools either")
+    for spec in self.extra:  # an unknown name or an unimportable class fails here, in one line
+      if isinstance(spec, str):
+        tool_registry.resolve(spec)
 
   @property
   def own_server(self) -> bool:
@@ -131,7 +141,7 @@ def toolbox(
   """The agents' ToolBox (None for kind "none"); `view` is what the agent sees (documents per
   search, page chunking: `AsearcherAgentConfig.toolbox_config()`), `addr_dir` where the
   program's own retrieval server announces itself."""
-  common = dict(cache=config.cache, budget=config.budget, config=view)
+  common = dict(cache=config.cache, budget=config.budget, config=view, tools=config.extra)
   if config.kind == "none":
     return None
   if config.kind == "web":

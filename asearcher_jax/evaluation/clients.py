@@ -4,8 +4,8 @@ Our own `serve-model` returns exact token ids, logprobs and versions (use `Remot
 for it); other servers return text only. For evaluation that is enough: the prompt is decoded to
 text, the completion is re-tokenized (as ASearcher's eval harness does), logprobs are 0 and
 versions -1. OpenAI servers drop the matched stop string from the text, so the closing tag the
-agent stopped on is put back: the closing tag of the last unclosed `<search>`, `<access>` or
-`<answer>`, or `</think>` for a read turn.
+agent stopped on is put back: the closing tag of the last unclosed action tag (a registered tool's
+or `<answer>`) among the stop strings, or `</think>` for a read turn.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import aiohttp
 from asearcher_jax.serving.driver import EngineError
 from asearcher_jax.serving.types import GenerationResult, SamplingParams
 from asearcher_jax.tokenizer import Tokenizer
-
-_TAGS = ("search", "access", "answer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,10 +43,11 @@ def restore_stop(text: str, stop: Sequence[str]) -> str:
   if not stop:
     return ""
   best, best_pos = "", -1
-  for tag in _TAGS:
-    close = f"</{tag}>"
-    pos = text.rfind(f"<{tag}>")
-    if close in stop and pos > best_pos and close not in text[pos:]:
+  for close in stop:  # an act turn stops on each action tag's closing tag
+    if not (close.startswith("</") and close.endswith(">")) or close == "</think>":
+      continue
+    pos = text.rfind(f"<{close[2:]}")
+    if pos > best_pos and close not in text[pos:]:
       best, best_pos = close, pos
   if best:
     return best

@@ -18,11 +18,16 @@ from typing import Any
 
 from asearcher_jax import plotting
 from asearcher_jax.evaluation.runner import SnapshotStore
+from asearcher_jax.tools import registry as tool_registry
 
 log = logging.getLogger(__name__)
 
 METRICS = ("em", "f1", "cem", "judge")
-_STATS = ("turns", "tool_calls", "searches", "accesses", "output_tokens", "time_s")
+
+
+def _stats() -> tuple[str, ...]:
+  """Per-episode stats a report shows: every registered tool's call count among them."""
+  return ("turns", "tool_calls", *tool_registry.stat_names().values(), "output_tokens", "time_s")
 
 
 def avg_at_k(table: Mapping[str, Sequence[float]], k: int | None = None) -> float:
@@ -58,7 +63,7 @@ def result_rows(snaps: Sequence[Mapping[str, Any]], judge_key: str | None) -> li
     row["judge_status"] = None if verdict is None else verdict.get("status")
     row["finish_reason"] = s.get("finish_reason")
     row["tool_failed"] = float((s.get("stats") or {}).get("tool_failures", 0.0))
-    for k in _STATS:
+    for k in _stats():
       row[k] = float((s.get("stats") or {}).get(k, 0.0))
     rows.append(row)
   rows.sort(key=lambda r: (r["dataset"], r["run"], r["qid"]))
@@ -88,7 +93,7 @@ def dataset_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   for m in ("em", "f1", "cem"):
     out[m] = out["avg@k"][m]
   out["judge_accuracy"] = out["avg@k"]["judge"]
-  for s in _STATS:
+  for s in _stats():
     out[f"mean_{s}"] = _mean(r[s] for r in rows)
   calls = sum(r["tool_calls"] for r in rows)
   out["tool_failure_rate"] = out["tool_failures"] / calls if calls else 0.0
@@ -189,7 +194,7 @@ def write_report(run_dir: str | Path, judge_key: str | None = None) -> dict[str,
   snaps = list(SnapshotStore(run_dir).iter_snapshots())
   rows = result_rows(snaps, summary["judge_key"])
   with (run_dir / "questions.csv").open("w", newline="") as f:
-    fields = ["dataset", "qid", "run", *METRICS, "judge_status", "finish_reason", *_STATS]
+    fields = ["dataset", "qid", "run", *METRICS, "judge_status", "finish_reason", *_stats()]
     w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)

@@ -36,6 +36,7 @@ from asearcher_jax.data.qa import QAExample
 from asearcher_jax.evaluation import metrics
 from asearcher_jax.evaluation.judge import EndpointUnreachable, LLMJudge, probe_http
 from asearcher_jax.serving.types import SamplingParams
+from asearcher_jax.tools import registry as tool_registry
 from asearcher_jax.tools.cache import CacheMode
 
 log = logging.getLogger(__name__)
@@ -152,9 +153,8 @@ def episode_stats(traj: Trajectory) -> dict[str, float]:
   s = traj.stats()
   return {
     "turns": s["num_llm_calls"],
-    "tool_calls": s["num_search"] + s["num_access"],
-    "searches": s["num_search"],
-    "accesses": s["num_access"],
+    "tool_calls": s["num_tool_calls"],
+    **{name: s.get(f"num_{tag}", 0.0) for tag, name in tool_registry.stat_names().items()},
     "tool_failures": s["num_tool_failures"],
     "output_tokens": s["num_output_tokens"],
     "max_input_tokens": s["max_input_tokens"],
@@ -210,7 +210,8 @@ class EvalRunner:
       "seed": config.seed,
       "eval_mode": config.eval_mode,
     }  # fmt: skip
-    agent_name = str(identity.get("agent", "agent"))
+    # A "module:Class" agent names its directory by the class (no ':' or '.' in a path part).
+    agent_name = str(identity.get("agent", "agent")).rpartition(":")[2].rpartition(".")[2]
     self.run_dir = Path(config.output_dir) / f"{agent_name}-{config_key(self.identity)}"
     self.store = SnapshotStore(self.run_dir)
     self._running: collections.Counter[str] = collections.Counter()

@@ -261,20 +261,22 @@ class JournalToolBox:
 def tool_result_to_json(r: ToolResult) -> dict[str, Any]:
   return {
     "call": [r.call.name, r.call.argument],
-    "jobs": [[j.text, j.short_text] for j in r.jobs],
+    "jobs": [[j.text, j.short_text, j.label] for j in r.jobs],
     "stats": dataclasses.asdict(r.stats),
     "documents": [d.to_json() for d in r.documents],
     "page": r.page,
+    "value": r.value,
   }
 
 
 def tool_result_from_json(d: Mapping[str, Any]) -> ToolResult:
   return ToolResult(
     call=ToolCall(*d["call"]),
-    jobs=tuple(ToolJob(t, s) for t, s in d["jobs"]),
+    jobs=tuple(ToolJob(*j) for j in d["jobs"]),
     stats=ToolStats(**d["stats"]),
     documents=tuple(Document.from_json(x) for x in d["documents"]),
     page=d["page"],
+    value=d.get("value"),  # older journals: rebuilt from documents / page
   )
 
 

@@ -146,7 +146,7 @@ class RolloutStats:
     self.sample(
       turns=s["num_llm_calls"],
       output_tokens=s["num_output_tokens"],
-      tool_calls=s["num_search"] + s["num_access"],
+      tool_calls=s["num_tool_calls"],
       searches=s["num_search"],
       answered=s["answered"],
       format_ok=s["format_ok"],
@@ -158,7 +158,7 @@ class RolloutStats:
       trajectories=1,
       # Not `tool_calls`: that key is the per-trajectory mean, and a window with no trajectories
       # would report this cumulative count under it.
-      tool_calls_total=s["num_search"] + s["num_access"],
+      tool_calls_total=s["num_tool_calls"],
       generated_tokens=s["num_output_tokens"],
       interrupted_trajectories=int(interrupted(t)),
       turn_limit_trajectories=int(t.finish_reason == "turn_limit"),

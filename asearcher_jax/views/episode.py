@@ -18,15 +18,20 @@ from asearcher_jax.agent.trajectory import LLMCall, ToolEvent, Trajectory
 from asearcher_jax.evaluation import metrics as eval_metrics
 from asearcher_jax.rl import reward as reward_lib
 from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.tools import registry as tool_registry
 
-# Tags of a generation, drawn as blocks of their own.
-_TAG = re.compile(r"<(think|search|access|answer)>(.*?)</\1>", re.DOTALL)
+
+def _tag_pattern() -> re.Pattern[str]:
+  """Tags of a generation drawn as blocks of their own: think, every registered tool's, answer
+  (read when drawn, so a tool registered after import is drawn too)."""
+  tags = ("think", *tool_registry.tags(), "answer")
+  return re.compile(rf"<({'|'.join(map(re.escape, tags))})>(.*?)</\1>", re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-  """One piece of a turn. kind: think | search | access | answer | text (untagged output) |
-  results (a search's documents) | page (an accessed page's chunks) | compaction | failure."""
+  """One piece of a turn. kind: think | a tool's tag | answer | text (untagged output) | a tool's
+  result label (`Tool.result_label`: results, page, output) | compaction | failure."""
 
   kind: str
   text: str
@@ -52,7 +57,7 @@ def generated_blocks(text: str) -> list[Block]:
       blocks.append(Block("think", text[:close].strip()))
     text = text[close + len("</think>") :]
   pos = 0
-  for m in _TAG.finditer(text):
+  for m in _tag_pattern().finditer(text):
     if text[pos : m.start()].strip():
       blocks.append(Block("text", text[pos : m.start()].strip()))
     blocks.append(Block(m.group(1), m.group(2).strip()))
@@ -67,7 +72,9 @@ def tool_attribution(t: ToolEvent) -> str:
   is excluded, not scored 0), "policy" (an invalid call: bad URL, empty query), or "" (none)."""
   if t.environment_failure or t.stats.get("environment_failure"):
     return "environment"
-  not_found = t.name == "access" and t.stats.get("found") is False  # a URL that does not exist
+  cls = tool_registry.get(t.name)
+  # Nothing found is the policy's mistake for some tools (a URL that does not exist).
+  not_found = cls is not None and cls.missing_is_policy and t.stats.get("found") is False
   if t.stats.get("invalid_call") or t.stats.get("error") or not_found:
     return "policy"
   return ""
@@ -79,7 +86,8 @@ def _tool_block(t: ToolEvent) -> Block:
   if who:
     err = t.stats.get("error") or ("not found" if t.stats.get("found") is False else "failed")
     return Block("failure", t.text, f"{note}; {who} failure: {err}")
-  return Block("results" if t.name == "search" else "page", t.text, note)
+  cls = tool_registry.get(t.name)
+  return Block(cls.result_label if cls is not None else "output", t.text, note)
 
 
 def turns(traj: Trajectory, tokenizer: Tokenizer | None = None) -> list[Turn]:

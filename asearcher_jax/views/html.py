@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.tools import registry as tool_registry
 from asearcher_jax.views import episode as ev
 from asearcher_jax.views.runs import Episode
 
@@ -32,9 +33,9 @@ CSS = """
 .asj .turn .meta{color:#777;font-size:11px}
 .asj .blk{margin:3px 0;padding:3px 6px;border-radius:4px;white-space:pre-wrap;
  font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
-.asj .think{background:#f4f0fb}.asj .search{background:#e3efff}.asj .access{background:#e6f6f3}
+.asj .think{background:#f4f0fb}.asj .tool{background:#e3efff}
 .asj .answer{background:#d7f5dd;font-weight:600}.asj .text{background:#f6f6f6}
-.asj .results,.asj .page{background:#fcfcf4;color:#444;max-height:180px;overflow:auto}
+.asj .result{background:#fcfcf4;color:#444;max-height:180px;overflow:auto}
 .asj .compaction{background:#fff1c2}.asj .failure{background:#fbd9d9}
 .asj .lbl{font-weight:600;font-family:system-ui,sans-serif;margin-right:6px}
 .asj .seq{white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;
@@ -44,6 +45,14 @@ CSS = """
  box-shadow:inset -1px 0 rgba(0,0,0,.18)}
 .asj .cols{display:flex;gap:12px;align-items:flex-start}.asj .cols>div{flex:1;min-width:0}
 """
+
+
+def _block_class(kind: str) -> str:
+  """CSS classes of a block: its kind, plus `tool` for a registered tool's tag and `result` for
+  a tool's result label (so a user's tool is drawn like the built-in ones)."""
+  labels = {"output"} | {tool_registry.get(t).result_label for t in tool_registry.tags()}
+  extra = " tool" if tool_registry.get(kind) is not None else " result" if kind in labels else ""
+  return _e(kind) + extra
 
 
 class Html:
@@ -142,7 +151,8 @@ def turns_html(traj: Any, tokenizer: Tokenizer | None = None) -> str:
     for b in turn.blocks:
       note = f" <span class='meta'>{_e(b.note)}</span>" if b.note else ""
       blocks.append(
-        f"<div class='blk {b.kind}'><span class='lbl'>{b.kind}</span>{note}\n{_e(b.text)}</div>"
+        f"<div class='blk {_block_class(b.kind)}'><span class='lbl'>{_e(b.kind)}</span>{note}\n"
+        f"{_e(b.text)}</div>"
       )
     out.append(f"<div class='turn'><div class='meta'>{_e(meta)}</div>{''.join(blocks)}</div>")
   return "".join(out)

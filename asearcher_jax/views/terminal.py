@@ -13,16 +13,33 @@ from rich.table import Table
 from rich.text import Text
 
 from asearcher_jax.tokenizer import Tokenizer
+from asearcher_jax.tools import registry as tool_registry
 from asearcher_jax.views import episode as ev
 from asearcher_jax.views.runs import Episode
 
 # Generated tokens cycle through these backgrounds by policy version; context tokens are dim.
 VERSION_BACKGROUNDS = ("blue", "magenta", "green", "yellow", "cyan", "red")
 CONTEXT_STYLE = "dim"
+# Blocks that are not a tool's: a tool's tag takes its `Tool.style`, its results are dim.
 BLOCK_STYLES = {
-  "think": "magenta", "search": "bold blue", "access": "bold cyan", "answer": "bold green",
-  "text": "white", "results": "dim", "page": "dim", "compaction": "yellow", "failure": "bold red",
+  "think": "magenta", "answer": "bold green", "text": "white", "compaction": "yellow",
+  "failure": "bold red",
 }  # fmt: skip
+RESULT_STYLE = "dim"
+
+
+def block_style(kind: str) -> str:
+  """The style of a block: its own, its tool's (`Tool.style`), dim for tool results, or none."""
+  if kind in BLOCK_STYLES:
+    return BLOCK_STYLES[kind]
+  cls = tool_registry.get(kind)
+  if cls is not None:
+    return cls.style
+  if kind == "output" or any(
+    tool_registry.get(t).result_label == kind for t in tool_registry.tags()
+  ):
+    return RESULT_STYLE
+  return ""
 
 
 def token_style(mask: int, version: int) -> str:
@@ -65,10 +82,10 @@ def turns_view(e: Episode, tokenizer: Tokenizer | None = None, *, width: int = 6
     c = turn.call
     body = Text()
     for b in turn.blocks:
-      body.append(f"{b.kind}: ", style=f"bold {BLOCK_STYLES.get(b.kind, '')}")
+      body.append(f"{b.kind}: ", style=f"bold {block_style(b.kind)}")
       if b.note:
         body.append(f"[{b.note}] ", style="italic")
-      body.append(_clip(b.text, width) + "\n", style=BLOCK_STYLES.get(b.kind, ""))
+      body.append(_clip(b.text, width) + "\n", style=block_style(b.kind))
     title = (
       f"call {c.index} · {c.kind} · {c.input_ids.size} in / {c.output_ids.size} out · "
       f"stop {c.stop_reason}"

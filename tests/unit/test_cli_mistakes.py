@@ -351,7 +351,8 @@ def test_inspect_refuses_what_would_print_nothing(tmp_path, capsys):
 
 
 def test_an_unknown_agent_is_found_by_the_check():
-  assert "agent must be one of ['asearcher', 'reasoning', 'search_r1'], got 'nosuch'" in (
+  known = "['asearcher', 'reasoning', 'search_r1'] or 'module:Class'"
+  assert f"agent must be one of {known}, got 'nosuch'" in (
     config_error(
       "train",
       ["gin/experiments/asearcher_local_qwen2_5_7b.gin"],

@@ -28,7 +28,8 @@ PAGES = sorted((ROOT / "docs").glob("*.md"))
 DOCS = [README, *PAGES]
 # Dated history: what was run, with the files of its day (docs/experiments/ is not in DOCS).
 HISTORY = {ROOT / "docs" / "measurements.md"}
-GIN_FILES = sorted((ROOT / "gin").rglob("*.gin"))
+# The recipes, and the overlays of the extensions in examples/ (docs/extending.md).
+GIN_FILES = sorted([*(ROOT / "gin").rglob("*.gin"), *(ROOT / "examples").rglob("*.gin")])
 README_MAX_BYTES = 12 * 1024
 # The README's first lines after the title, exactly: CI and users run them as written.
 README_COMMANDS = (
@@ -40,14 +41,16 @@ README_COMMANDS = (
 
 # A path starts at a top-level entry of the repository, or inside the package as the design notes
 # write them (`serving/driver.py`); a trailing `::name` (a function in that file) is dropped.
-_TOP = "asearcher_jax|gin|tests|benchmarks|scripts|docs|launch|notebooks|harness|apps|model|serving|rl|agent|tools|data|evaluation|synthwiki|synthesis|sft|testing"
+_TOP = "asearcher_jax|gin|tests|benchmarks|scripts|docs|launch|notebooks|harness|examples|apps|model|serving|rl|agent|tools|data|evaluation|synthwiki|synthesis|sft|testing"
 PATH_RE = re.compile(
   rf"(?<![\w./-])((?:{_TOP})/[\w./{{}},*-]*[\w}}*/])(?:::\w+)?"
   r"|(?<![\w./-])((?:README|DATA_LICENSES)\.md|requirements(?:-nodeps)?\.txt|\.importlinter|pyproject\.toml)"
 )
 SUBCOMMAND_RE = re.compile(r"(?:^|[`/\s(])asearcher ([a-z][a-z_-]*)")
 SELECTOR_RE = re.compile(r"\b([a-z_]+)\.([A-Za-z_]+)\.([a-z_]+|\*)")
-GIN_IMPORT_RE = re.compile(r"^from (asearcher_jax[\w.]*) import (\w+)(?: as (\w+))?$", re.M)
+GIN_IMPORT_RE = re.compile(
+  r"^from ((?:asearcher_jax|examples)[\w.]*) import (\w+)(?: as (\w+))?$", re.M
+)
 # `[text](target)` and `![alt](target)`; a target with a scheme is not the repository's.
 LINK_RE = re.compile(r"!?\[[^\]]*\]\(([^()\s]+)\)")
 
@@ -174,6 +177,8 @@ def test_the_checks_see_what_the_docs_name():
   assert "asearcher_jax/serving/request.py" in paths  # from serving/{request,...}.py
   assert "gin/experiments/asearcher_local_qwen2_5_14b.gin" in paths  # from ..._{7b,14b}.gin
   assert "launch/specs/local_tiny.toml" in paths
+  assert {"examples/python_tool/tool.py", "examples/python_tool/train.gin"} <= paths
+  assert ("python_tool", "PythonToolConfig", "timeout_s") in SELECTOR_RE.findall(text)
   assert {"train", "serve-model", "warm-start", "quickstart"} <= set(SUBCOMMAND_RE.findall(text))
   assert ("loading", "PolicyConfig", "*") in SELECTOR_RE.findall(text)
   assert ("mesh", "ServingMeshConfig", "tensor") in SELECTOR_RE.findall(text)
