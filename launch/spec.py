@@ -217,7 +217,7 @@ class ClusterSpec:
 
 _TOP_KEYS = {"name", "project", "zone", "bucket", "experiment", "runtime_version", "provisioning",
              "trainer", "serving", "tools", "serve_port", "retrieval_port", "coordinator_port", "mount",
-             "retrieval"}  # fmt: skip
+             "retrieval", "gke"}  # fmt: skip
 
 
 def _str(d: dict, key: str, where: str, default: str | None = None) -> str:
