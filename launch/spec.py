@@ -21,6 +21,7 @@ A spec is a small TOML file (stdlib `tomllib`, no new dependency):
     workers = 8                          # scoring threads per server
     index = "gs://my-bucket/index/wiki18-tantivy"  # copied to each host at setup, or
     # index_disk = "wiki18-tantivy"      # a persistent disk holding the index (read-only)
+    [gke]                                # optional: the GKE backend's cluster and image (launch/gke.py)
 
 Chips, accelerator-type names and runtime versions follow the Cloud TPU documentation
 (checked 2026-11-25):
