@@ -76,7 +76,9 @@ def test_a_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path,
   assert "exited -9; restart 1/2" in text
   resumed = [line for line in text.splitlines() if line.startswith("[train] resumed at version ")]
   assert len(resumed) == 1, text[-3000:]
-  summary = json.loads(text.strip().splitlines()[-1])
+  # The summary is the trainer's last JSON line (the supervisor's own lines follow it).
+  summary = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+  assert text.strip().splitlines()[-1].endswith("exited 0; done")
   assert summary["resumed_from"] >= 1 and summary["version"] == 3  # the tiny recipe's steps
   assert max(_checkpoint_steps(run)) == 3
   assert_nothing_left(run, seen)
