@@ -85,3 +85,21 @@ def test_the_command_line_the_backends_write_round_trips():
   assert argv == ["py", "-m", "launch.supervise", "--max-restarts=5", "--log=/l/x.log",
                   "--ship-to=/m/logs"]  # fmt: skip
   assert supervise.main(["--max-restarts=1"]) == 2  # no `--`: usage, nothing run
+
+
+def test_tpu_vm_roles_start_under_the_supervisor_with_their_logs_shipped():
+  """Every process `start` launches on a TPU VM or retrieval host is the supervisor's (the pid
+  file's), its log shipped to the run dir's logs/HOST/ on the bucket mount; the shell parses."""
+  from launch import gcloud
+  from launch.spec import load
+
+  spec = load(REPO / "launch/specs/v5p_local_7b_tier.toml")
+  scripts = [c.argv[-1].removeprefix("--command=") for c in gcloud.start(spec)
+             if c.argv[-1].startswith("--command=")]  # fmt: skip
+  assert scripts
+  ship = f'--ship-to="{gcloud.shared(spec)}/logs/$(hostname)"'
+  for script in scripts:
+    n = script.count("-m launch.supervise --log=$HOME/asearcher_run/logs/")
+    assert n >= 1 and n == script.count("& echo $! > ~/asearcher_run/pids/"), script
+    assert ship in script and "nohup ~/asearcher_venv/bin/python -m launch.supervise" in script
+    assert subprocess.run(["bash", "-n", "-c", script], timeout=30).returncode == 0, script
