@@ -34,7 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # launch/ (not installed: the repository's own)
-SPECS = sorted(p for p in (REPO / "launch" / "specs").glob("*.toml") if p.stem != "local_tiny")
+# gke_* specs run their TPU-VM twin's roles (same slices and argv but the retrieval addresses).
+SPECS = sorted(p for p in (REPO / "launch" / "specs").glob("*.toml")
+               if p.stem != "local_tiny" and not p.stem.startswith("gke_"))  # fmt: skip
 TIMEOUT_S = float(os.environ.get("POD_REHEARSAL_TIMEOUT_S", 7200))
 KEEP = (
   "topology", "mesh", "chips", "programs_warmed", "programs_compiled", "hbm_gib_per_chip_max",

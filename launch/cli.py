@@ -26,7 +26,9 @@
 
 --run_dir gives the run its own directory (a sweep point runs each of its points this way:
 asearcher_jax/apps/sweep_launch.py). Backends: "gcloud" (launch/gcloud.py; --dry-run prints every gcloud/ssh command and runs
-nothing) and "local" (launch/local.py: the same roles as processes on this machine). A spec
+nothing), "gke" (launch/gke.py: JobSets on a GKE cluster from the spec's [gke] table;
+`start --dry-run` prints the manifests) and "local" (launch/local.py: the same roles as
+processes on this machine). A spec
 mistake is one line on stderr and exit status 2, before anything starts.
 """
 
@@ -48,7 +50,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
   p.add_argument("action", choices=(*gcloud.ACTIONS, "fetch", "check", "rehearse"))
   p.add_argument("--spec", required=True, help="cluster spec (TOML; launch/specs/*.toml)")
-  p.add_argument("--backend", choices=("gcloud", "local"), default="gcloud")
+  p.add_argument("--backend", choices=("gcloud", "local", "gke"), default="gcloud")
   p.add_argument("--experiment", help="gin experiment (overrides the spec's)")
   p.add_argument("--gin_param", action="append", default=[], help="extra binding, every role")
   p.add_argument(
@@ -95,6 +97,11 @@ def _layout(
     return local.point_layout(local.load(a.spec, a.experiment), run_dir, gin_params)
   from launch import spec as spec_lib
 
+  if a.backend == "gke":
+    from launch import gke
+
+    spec, cfg = gke.load_gke(a.spec, a.experiment)
+    return gke.layout(spec_lib.with_run_dir(spec, run_dir), cfg, gin_params)
   spec = spec_lib.with_run_dir(spec_lib.load(a.spec, a.experiment), run_dir)
   gcloud.plan(spec, "start", gin_params=gin_params)  # its own checks (hosts, ports)
   return gcloud.layout(spec, gin_params)
@@ -165,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       from launch import local
 
       return local.main(a)
+    if a.backend == "gke" and a.action != "fetch" and a.action != "rehearse":
+      from launch import gke
+
+      return gke.main(a)
     from launch import spec as spec_lib
 
     spec = spec_lib.with_run_dir(spec_lib.load(a.spec, a.experiment), a.run_dir)
@@ -199,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except SpecError as e:
     print(f"launch {a.action}: spec error: {e}", file=sys.stderr)
     return 2
+  except subprocess.CalledProcessError as e:  # a gke action's command
+    print(f"launch {a.action}: {' '.join(e.cmd[:6])} ... failed ({e.returncode})", file=sys.stderr)
+    return 1
   try:
     return gcloud.run(commands, dry_run=a.dry_run)
   except subprocess.CalledProcessError as e:

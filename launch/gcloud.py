@@ -149,14 +149,20 @@ def _eval_layout(spec: ClusterSpec) -> dict:
   return {"eval_gin_files": (e.experiment,), "eval_every": e.every, "eval_tensor": e.slice.chips}
 
 
-def _background(name: str, argv: list[str], env: dict[str, str] | None = None) -> str:
-  """Shell that starts `argv` detached with its log and pid file under ~/asearcher_run."""
+def _background(
+  name: str, argv: list[str], env: dict[str, str] | None = None, ship_to: str | None = None
+) -> str:
+  """Shell that starts `argv` detached under launch/supervise.py (restarted after a failed exit
+  within SuperviseConfig's budget), its log under ~/asearcher_run shipped to `ship_to`/HOSTNAME
+  (the run dir on the bucket mount: a VM's disk goes at `down`), the supervisor's pid file."""
   envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
   cmd = shlex.join(argv).replace(shlex.quote(f"{VENV}/bin/asearcher"), f"{VENV}/bin/asearcher")
+  log = f"$HOME/asearcher_run/logs/{name}.log"
+  ship = f' --ship-to="{ship_to}/$(hostname)"' if ship_to else ""
   return (
     f"mkdir -p {RUN}/logs {RUN}/pids && cd {CODE} && "
-    f"{envs + ' ' if envs else ''}nohup {cmd} > {RUN}/logs/{name}.log 2>&1 & "
-    f"echo $! > {RUN}/pids/{name}.pid"
+    f"{envs + ' ' if envs else ''}nohup {VENV}/bin/python -m launch.supervise --log={log}{ship} "
+    f"-- {cmd} >> {log} 2>&1 & echo $! > {RUN}/pids/{name}.pid"
   )
 
 
@@ -216,7 +222,8 @@ def dirty_files(repo: str | os.PathLike) -> list[str]:
 
 def setup(spec: ClusterSpec, commit: str) -> list[Command]:
   """The same bootstrap on every worker: the code at `commit` (a tarball through the bucket),
-  Python 3.11, requirements.txt + jax[tpu] at the pinned jax version, the bucket mounted."""
+  Python 3.11, requirements-runtime.txt (+ jax[tpu] at the pinned jax version on TPU VMs, not on
+  the retrieval hosts), the bucket mounted."""
   tarball = f"{spec.bucket}/code/asearcher_jax-{commit}.tar.gz"
   script = f"{spec.bucket}/code/bootstrap-{commit}.sh"
   local = f"/tmp/asearcher_jax-{commit}.tar.gz"
@@ -229,8 +236,13 @@ def setup(spec: ClusterSpec, commit: str) -> list[Command]:
   cmds += [_ssh(spec, s, "all", boot) for s in spec.slices]
   if spec.retrieval is not None:
     index = _index_script(spec.retrieval)
-    cmds += [_vm_ssh(spec, host, f"{boot} && {index}") for host in spec.retrieval.hosts]
+    cmds += [_vm_ssh(spec, host, f"{boot} cpu && {index}") for host in spec.retrieval.hosts]
   return cmds
+
+
+def logs_dir(spec: ClusterSpec) -> str:
+  """Where every process's log is shipped, one directory a host (the bucket mount)."""
+  return f"{shared(spec)}/logs"
 
 
 def compile_cache(spec: ClusterSpec) -> str:
@@ -260,12 +272,15 @@ def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
                           capture=retrieval_ip(i)))  # fmt: skip
     for host in tier.hosts:
       script = "; ".join(  # each replica detached with its own log and pid file
-        _background(f"retrieval-{r}", roles.retrieval_argv(lay, spec.retrieval_port + r))
+        _background(
+          f"retrieval-{r}", roles.retrieval_argv(lay, spec.retrieval_port + r), None, logs_dir(spec)
+        )
         for r in range(tier.replicas)
       )
       cmds.append(_vm_ssh(spec, host, script))
   elif spec.tools == "local":
-    cmds.append(_ssh(spec, spec.trainer, 0, _background("retrieval", roles.retrieval_argv(lay))))
+    cmds.append(_ssh(spec, spec.trainer, 0, _background("retrieval", roles.retrieval_argv(lay),
+                                                        None, logs_dir(spec))))  # fmt: skip
   index = 0
   for s in spec.serving:
     for w in range(s.hosts):
@@ -275,14 +290,15 @@ def start(spec: ClusterSpec, gin_params: tuple[str, ...] = ()) -> list[Command]:
       )
       # serve-model's own address file names 0.0.0.0; the shared one names this host's IP.
       own = dataclasses.replace(lay, address_files=("/tmp/asearcher_serve.json",))
-      script = f"{announce} && {_background('serve', roles.serve_argv(own, 0), cache)}"
+      serve = _background("serve", roles.serve_argv(own, 0), cache, logs_dir(spec))
+      script = f"{announce} && {serve}"
       cmds.append(_ssh(spec, s, w, script))
       index += 1
   coordinator = f"{TRAINER_IP}:{spec.coordinator_port}"
   keys = {k: f"${k}" for k in SECRETS}
   for w in range(spec.trainer.hosts):
     env = roles.trainer_env(coordinator, spec.trainer.hosts, w)
-    script = _background("trainer", roles.trainer_argv(lay), {**cache, **env})
+    script = _background("trainer", roles.trainer_argv(lay), {**cache, **env}, logs_dir(spec))
     if spec.tools == "web":  # filled in from the launching environment by run(), never printed
       script = " ".join(f"{k}={v}" for k, v in keys.items()) + f" bash -c {shlex.quote(script)}"
     cmds.append(_ssh(spec, spec.trainer, w, script))
@@ -322,7 +338,8 @@ def stop(spec: ClusterSpec, grace_s: int = 60) -> list[Command]:
             f"kill \"$p\" 2>/dev/null; ps=\"$ps $p\"; rm -f \"$f\"; done; "
             f"for i in $(seq {grace_s}); do a=; for p in $ps; do kill -0 \"$p\" 2>/dev/null "
             f"&& a=1; done; [ -z \"$a\" ] && break; sleep 1; done; "
-            f"for p in $ps; do kill -9 \"$p\" 2>/dev/null; done; true")  # fmt: skip
+            f"for p in $ps; do pkill -9 -P \"$p\" 2>/dev/null; kill -9 \"$p\" 2>/dev/null; done; "
+            f"true")  # fmt: skip
   return [_ssh(spec, s, "all", script) for s in spec.slices] + [
     _vm_ssh(spec, h, script) for h in _retrieval_hosts(spec)
   ]

@@ -27,6 +27,7 @@ A local spec (TOML):
     trainer_devices = 2  # fake CPU devices per trainer process (unset: XLA's default, 1)
     tools = "local"      # or "web"
     gin_params = []      # extra bindings, every training role
+    restarts = 0         # restarts of each role's process (launch/supervise.py), as on a pod
     evaluation = "gin/experiments/eval_asearcher_local_qwen2_5_7b.gin"  # optional: the eval role
     evaluation_overlays = ["gin/overlays/eval_recipe_tiny.gin"]
     evaluation_every = 1
@@ -52,6 +53,8 @@ from pathlib import Path
 from asearcher_jax.apps.sweep_launch import pid_alive as _alive
 from launch import roles
 from launch.spec import REPO, SpecError, check_gin_files, read_toml
+from launch.supervise import SuperviseConfig
+from launch.supervise import command as supervise_command
 
 ASEARCHER = (sys.executable, "-m", "asearcher_jax.main")
 
@@ -81,6 +84,12 @@ class LocalSpec:
   bucket: str | None = None
   tools: str = "local"
   gin_params: tuple[str, ...] = ()
+  # Restarts of each role's process after a failed exit, by launch/supervise.py as on TPU VMs
+  # (the trainer resumes from its last checkpoint); 0: a dead trainer process ends the run and
+  # this supervisor restarts a dead server at once.
+  restarts: int = 0
+  # Seconds before a role's first restart (doubled after each).
+  restart_backoff_s: float = 1.0
   # The evaluation role's recipe (gin/experiments/eval_*.gin) and overlays; None: no such role.
   evaluation: str | None = None
   evaluation_overlays: tuple[str, ...] = ()
@@ -104,6 +113,12 @@ def load(path: str | Path, experiment: str | None = None) -> LocalSpec:
             "evaluation_every"):  # fmt: skip
     if not isinstance(d.get(k, 1), int) or d.get(k, 1) < 1:
       raise SpecError(f"{p}: {k} must be an integer >= 1, got {d.get(k)!r}")
+  r = d.get("restarts", 0)
+  if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+    raise SpecError(f"{p}: restarts must be an integer >= 0, got {r!r}")
+  b = d.get("restart_backoff_s", 1.0)
+  if isinstance(b, bool) or not isinstance(b, int | float) or b < 0:
+    raise SpecError(f"{p}: restart_backoff_s must be a number >= 0, got {b!r}")
   if d.get("tools", "local") not in ("local", "web"):
     raise SpecError(f'{p}: tools must be "local" or "web"')
   for k in ("name", "run_dir"):
@@ -183,6 +198,11 @@ class Supervisor:
   def spawn(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> None:
     self.argv[role] = (argv, env or {})
     log = open(self.run / "logs" / f"{role}.log", "a")  # noqa: SIM115 (the child owns it)
+    if self.spec.restarts:  # under launch/supervise.py, as on a TPU VM; its child's pid beside
+      cfg = SuperviseConfig(max_restarts=self.spec.restarts,
+                            backoff_s=float(self.spec.restart_backoff_s),
+                            child_pid_file=str(self.run / "pids" / f"{role}.child"))  # fmt: skip
+      argv = [*supervise_command(cfg, sys.executable), "--", *argv]
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                          env={**os.environ, **(env or {})})  # fmt: skip
     log.close()

@@ -25,6 +25,7 @@ A spec is a small TOML file (stdlib `tomllib`, no new dependency):
     workers = 8                          # scoring threads per server
     index = "gs://my-bucket/index/wiki18-tantivy"  # copied to each host at setup, or
     # index_disk = "wiki18-tantivy"      # a persistent disk holding the index (read-only)
+    [gke]                                # optional: the GKE backend's cluster and image (launch/gke.py)
 
 Chips, accelerator-type names and runtime versions follow the Cloud TPU documentation
 (checked 2026-11-25):
@@ -251,7 +252,7 @@ class ClusterSpec:
 
 _TOP_KEYS = {"name", "project", "zone", "bucket", "experiment", "runtime_version", "provisioning",
              "trainer", "serving", "tools", "serve_port", "retrieval_port", "coordinator_port", "mount",
-             "retrieval", "eval"}  # fmt: skip
+             "retrieval", "eval", "gke"}  # fmt: skip
 
 
 def _str(d: dict, key: str, where: str, default: str | None = None) -> str:

@@ -16,7 +16,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.requirements.sha256"
-want="$(cat requirements.txt requirements-nodeps.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+want="$(cat requirements.txt requirements-runtime.txt requirements-nodeps.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   echo "[setup] installing requirements into $VENV" >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip
