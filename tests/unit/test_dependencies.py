@@ -62,10 +62,18 @@ def declared() -> set[str]:
 
 
 def pinned() -> set[str]:
-  out = set()
-  for name in ("requirements.txt", "requirements-nodeps.txt"):
+  """Every name pinned in the requirements files, following `-r` includes (requirements.txt
+  starts with the runtime set, requirements-runtime.txt)."""
+  out, todo, seen = set(), ["requirements.txt", "requirements-nodeps.txt"], set()
+  while todo:
+    name = todo.pop()
+    if name in seen:
+      continue
+    seen.add(name)
     for line in (REPO / name).read_text().splitlines():
-      if m := re.match(r"([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==", line.strip()):
+      if line.strip().startswith("-r "):
+        todo.append(line.strip()[3:].strip())
+      elif m := re.match(r"([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==", line.strip()):
         out.add(_norm(m.group(1)))
   return out
 
