@@ -63,9 +63,7 @@ WRAPPERS = {"rehearse": "compile a role's programs for its TPU slice, as the rol
 # into host memory, from one process; inspect and audit read a run's files. A subcommand that runs
 # no model on an accelerator belongs here. (`sweep` does not: its points inherit its environment
 # and train on the accelerator.)
-CPU_ONLY = frozenset(
-  {"serve-retrieval", "index", "plan", "export", "inspect", "audit", "fetch"}
-)
+CPU_ONLY = frozenset({"serve-retrieval", "index", "plan", "export", "inspect", "audit", "fetch"})
 
 # Config classes this module builds through gin itself (`distributed_config`, `compile_cache_config`).
 ROOT_CONFIGS = (
@@ -83,7 +81,7 @@ GIN_SEARCH_PATHS = (Path.cwd(), _REPO_ROOT)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # Libraries whose INFO/DEBUG chatter is not ours to show at the default level.
-QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "urllib3", "httpx", "filelock")
+QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "urllib3", "httpx", "httpx2", "filelock")
 
 
 def _resolve(target: str) -> Callable[..., object]:

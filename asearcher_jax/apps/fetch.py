@@ -81,11 +81,9 @@ _LOCAL_DATA = (
 # Bundle name -> what its recipe reads. The layout under the destination is the recipes' (their
 # MODEL_DIR, QUESTIONS, CORPUS, PAGES, PREBUILT and ENCODER constants under /mnt/asearcher).
 BUNDLES: dict[str, tuple[Artifact, ...]] = {
-  "asearcher_local_7b": (Artifact(repo_id="Qwen/Qwen2.5-7B", dest="models/Qwen2.5-7B"),)
-  + _LOCAL_DATA,
-  "asearcher_local_14b": (Artifact(repo_id="Qwen/Qwen2.5-14B", dest="models/Qwen2.5-14B"),)
-  + _LOCAL_DATA,
-  "search_r1_7b": (Artifact(repo_id="Qwen/Qwen2.5-7B", dest="models/Qwen2.5-7B"),) + _LOCAL_DATA,
+  "asearcher_local_7b": (Artifact(repo_id="Qwen/Qwen2.5-7B", dest="models/Qwen2.5-7B"), *_LOCAL_DATA),
+  "asearcher_local_14b": (Artifact(repo_id="Qwen/Qwen2.5-14B", dest="models/Qwen2.5-14B"), *_LOCAL_DATA),
+  "search_r1_7b": (Artifact(repo_id="Qwen/Qwen2.5-7B", dest="models/Qwen2.5-7B"), *_LOCAL_DATA),
   "asearcher_web_qwq_32b": (
     Artifact(repo_id="Qwen/QwQ-32B", dest="models/QwQ-32B"),
     Artifact(
@@ -274,6 +272,7 @@ def fetch_artifacts(
       counts["fetched"] += 1
       counts["bytes"] += size
       log.info("fetched %s -> %s (%d bytes, %.1f s)", where, dst, size, time.monotonic() - t0)
+  shutil.rmtree(staging, ignore_errors=True)  # all is in place: nothing left to resume
   return counts
 
 

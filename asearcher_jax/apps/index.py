@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from asearcher_jax import storage
 from asearcher_jax.tools.retrieval.corpus import default_corpus_paths
 from asearcher_jax.tools.retrieval.index import (
   BM25Config,
@@ -77,7 +78,8 @@ def build_index(
   """
   if isinstance(corpus, str):  # one path, not a sequence of one-letter paths
     corpus = [corpus]
-  paths = [Path(p) for p in corpus] or default_corpus_paths()
+  # gs:// corpus files are read from the local cache (`storage.local_copy`)
+  paths = [Path(storage.local_copy(p, what="corpus")) for p in corpus] or default_corpus_paths()
   if add_shipped_corpus and corpus:
     paths += default_corpus_paths()
   out = Path(index_dir) if index_dir else default_index_dir()
@@ -89,7 +91,7 @@ def build_index(
     tantivy=tantivy,
     dense=dense,
     hybrid=hybrid,
-    pages_file=Path(pages_file) if pages_file else None,
+    pages_file=Path(storage.local_copy(pages_file, what="pages_file")) if pages_file else None,
     encoder=encoder,
     force=force,
     show_progress=show_progress,

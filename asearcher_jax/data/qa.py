@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import storage
 from asearcher_jax.errors import AsearcherError
 
 _ASSETS = Path(__file__).resolve().parents[1] / "assets" / "qa"
@@ -303,8 +304,9 @@ def parse_record(row: Any, *, where: str, index: int, dataset: str) -> QAExample
 
 
 def load_qa_file(path: str | Path, *, name: str | None = None) -> list[QAExample]:
-  """All records of a .jsonl / .json / .csv file (optionally .gz), ids checked for duplicates."""
-  path = Path(path)
+  """All records of a .jsonl / .json / .csv file (optionally .gz), ids checked for duplicates;
+  a gs:// file is read from the local cache (`storage.local_copy`)."""
+  path = Path(storage.local_copy(path, what="questions"))
   dataset = name or path.name.split(".")[0]
   text = _open_text(path)
   suffix = _base_suffix(path)
