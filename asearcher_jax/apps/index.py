@@ -5,6 +5,7 @@ Runs with no gin file at all: the shipped corpus, a BM25 index under the user ca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -82,6 +83,8 @@ def build_index(
   paths = [Path(storage.local_copy(p, what="corpus")) for p in corpus] or default_corpus_paths()
   if add_shipped_corpus and corpus:
     paths += default_corpus_paths()
+  if dense.prebuilt:  # faiss reads a local file
+    dense = dataclasses.replace(dense, prebuilt=storage.local_copy(dense.prebuilt, what="prebuilt"))
   out = Path(index_dir) if index_dir else default_index_dir()
   manifest = build_index_dir(
     corpus=paths,

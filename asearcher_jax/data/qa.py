@@ -385,8 +385,9 @@ def load_training_qa(
   the reward blends them at a lower weight; the record's id (`qid`, `id`, `_id`, ...) is kept so
   logs and replays name the question the way the released data does (duplicates are allowed:
   group keys come from the data cursor, not the id).
+  A gs:// file is read from the local cache (`storage.local_copy`).
   """
-  path = Path(path) if path else DEFAULT_TRAINING_QA
+  path = Path(storage.local_copy(path, what="questions")) if path else DEFAULT_TRAINING_QA
   if path.is_dir():
     raise DatasetError(f"{path} is a directory, not a QA file (.json / .jsonl, optionally .gz)")
   text = _open_text(path)
