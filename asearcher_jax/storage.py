@@ -130,6 +130,14 @@ def cache_root() -> str:
   return os.path.join(home, "gcs-cache")
 
 
+def _files_under(folder: Any) -> list[Any]:
+  """Every file below a gs:// folder (epath refuses `rglob` there: one listing per level)."""
+  out = []
+  for p in folder.iterdir():
+    out.extend(_files_under(p) if p.is_dir() else [p])
+  return out
+
+
 def local_copy(path: str | os.PathLike, *, what: str) -> str:
   """A gs:// file or folder copied into the local cache (a path is returned as it is).
 
@@ -151,7 +159,7 @@ def local_copy(path: str | os.PathLike, *, what: str) -> str:
   local = os.path.join(cache_root(), path.split("://", 1)[1].rstrip("/"))
   if not src.exists():
     raise FileNotFoundError(f"{what}: {path} does not exist")
-  files = [src] if src.is_file() else [p for p in src.rglob("*") if p.is_file()]
+  files = [src] if src.is_file() else _files_under(src)
   logging.getLogger(__name__).info(
     "%s: copying %s (%d files) to the local cache %s", what, path, len(files), local
   )
