@@ -86,7 +86,11 @@ def hub(tmp_path_factory):
     yield hub
 
 
-def _cli(*args: str, hub: HubStandIn, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(
+  *args: str, hub: HubStandIn, timeout: float = 300, logs: Path | None = None
+) -> subprocess.CompletedProcess:
+  """`asearcher ARGS` against the stand-in; `logs`: stdout and stderr go to files there as the
+  command runs (a long one can be watched), and are read back."""
   # The suite runs offline (tests/conftest.py); the stand-in is on loopback.
   env = {
     **os.environ,
@@ -94,10 +98,14 @@ def _cli(*args: str, hub: HubStandIn, timeout: float = 300) -> subprocess.Comple
     "HF_HUB_OFFLINE": "0",
     "HF_HUB_DISABLE_TELEMETRY": "1",
   }
-  return subprocess.run(
-    [sys.executable, "-m", "asearcher_jax.main", *args],
-    capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env,
-  )  # fmt: skip
+  argv = [sys.executable, "-m", "asearcher_jax.main", *args]
+  if logs is None:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+  logs.mkdir(parents=True, exist_ok=True)
+  with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+    code = subprocess.run(argv, stdout=out, stderr=err, timeout=timeout, cwd=REPO, env=env)
+  stdout, stderr = (logs / "stdout").read_text(), (logs / "stderr").read_text()
+  return subprocess.CompletedProcess(argv, code.returncode, stdout, stderr)
 
 
 LAYOUT = (
@@ -184,6 +192,7 @@ def _train_args(root: str, index_dir: Path, run_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two processes' jax start-up and compiles, then two RL steps
 def test_the_local_7b_recipe_trains_two_steps_on_what_fetch_put_in_a_bucket(
   hub, tmp_path, gcs_bucket, monkeypatch
 ):
@@ -217,7 +226,8 @@ def test_the_local_7b_recipe_trains_two_steps_on_what_fetch_put_in_a_bucket(
   checked = _cli(*_train_args(root, index_dir, run_dir), "--check", hub=hub)
   assert checked.returncode == 0, checked.stderr[-3000:]
   assert "configuration ok" in checked.stdout
-  trained = _cli(*_train_args(root, index_dir, run_dir), hub=hub, timeout=900)
+  trained = _cli(*_train_args(root, index_dir, run_dir), hub=hub, timeout=1500,
+                 logs=tmp_path / "train_logs")  # fmt: skip
   assert trained.returncode == 0, trained.stderr[-5000:]
   summary = json.loads(trained.stdout.strip().splitlines()[-1])
   assert summary["version"] == 2, summary
