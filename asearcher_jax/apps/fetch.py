@@ -285,7 +285,10 @@ def fetch(
   rehash: bool = False,
   endpoint: str | None = None,
 ) -> int:
-  """Fetches what a recipe reads into `to` (a directory or a gs:// prefix). Returns 0.
+  """`asearcher fetch BUNDLE --to DEST`: what a recipe reads, by Hugging Face id. Returns 0.
+
+  Into a directory or a gs:// prefix, each file checked against the Hub's hash and recorded in
+  DEST/fetch_manifest.json; a re-run skips what is complete.
 
   Args:
     bundle: a name of `BUNDLES` (asearcher_local_7b, asearcher_local_14b, search_r1_7b,

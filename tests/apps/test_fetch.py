@@ -188,6 +188,9 @@ def _train_args(root: str, index_dir: Path, run_dir: Path) -> list[str]:
     f'--gin_param=commands.train.retrieval_index_dir="{index_dir}"',
     f'--gin_param=commands.train.run_dir="{run_dir}"',
     "--gin_param=train_config.TrainConfig.train_steps=2",
+    # A random tiny checkpoint never answers: every group would score 0 and be dropped as
+    # without variance, so the smoke reward (as tests/launch/test_pod_e2e.py's loaded policy).
+    '--gin_param=train_config.TrainConfig.reward="smoke"',
   ]  # fmt: skip
 
 
