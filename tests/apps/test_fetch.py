@@ -153,6 +153,11 @@ def test_fetch_lays_out_the_bundle_verified_and_a_rerun_fetches_only_what_is_mis
   ]
   assert fetch.sha256_of(damaged) == manifest["data/ASearcher-Base-35k.jsonl"]["sha256"]
 
+  # The recipe configures on the fetched directory (the bucket test below also trains on it).
+  args = _train_args(str(dest), dest / "indexes" / "wiki18_e5", tmp_path / "run")
+  checked = _cli(*args, "--check", hub=hub)
+  assert checked.returncode == 0 and "configuration ok" in checked.stdout, checked.stderr[-3000:]
+
 
 def test_fetch_names_a_bad_bundle_or_repository_in_one_line(hub, tmp_path):
   bad = _cli("fetch", "asearcher_local_8b", "--to", str(tmp_path), hub=hub)
