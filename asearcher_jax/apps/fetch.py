@@ -7,7 +7,8 @@ through `huggingface_hub` (which honours $HF_ENDPOINT and $HF_TOKEN), each file 
 against the hash the Hub gives for it (the sha256 of an LFS file, the git blob sha1 of a small
 one) and recorded with its sha256 in `fetch_manifest.json` at the destination, written after
 every file: a re-run, or one after an interruption, skips every file the manifest holds at its
-recorded size (`rehash` re-reads them and compares their sha256), and a half-downloaded file
+recorded size with the hash the Hub still gives it (a new commit that left a file alone does not
+fetch it again; `rehash` re-reads them and compares their sha256), and a half-downloaded file
 resumes where it stopped. A gs:// destination is written through `etils.epath`; each file is
 staged on local disk first (`staging_dir`) and uploaded whole.
 """
@@ -197,9 +198,16 @@ def _put(local: str, dst: Any) -> None:
   shutil.move(local, dst)
 
 
-def _complete(manifest: _Manifest, target: str, dst: Any, commit: str, rehash: bool) -> bool:
-  entry = manifest.files.get(target)
-  if not entry or entry.get("commit") != commit or not dst.exists():
+def _hub_hash(sibling: Any) -> str | None:
+  """What the Hub says a file's bytes are: its LFS sha256, else its git blob id."""
+  lfs = getattr(sibling, "lfs", None)
+  return getattr(lfs, "sha256", None) or getattr(sibling, "blob_id", None)
+
+
+def _complete(entry: dict | None, dst: Any, sibling: Any, rehash: bool) -> bool:
+  """Whether the file at `dst` is the one the Hub has now: recorded by the manifest with the
+  Hub's hash of it (a new commit that left the file alone changes nothing) at its size."""
+  if not entry or entry.get("hub_hash") != _hub_hash(sibling) or not dst.exists():
     return False
   size = dst.stat().length if storage.is_url(dst) else dst.stat().st_size
   if size != entry["size"]:
@@ -252,7 +260,7 @@ def fetch_artifacts(
       raise ConfigValueError(f"fetch: {art.repo_id}: two files flatten to one name in {art.dest}")
     for rfilename, target in zip(wanted, targets, strict=True):
       dst = root / target
-      if _complete(manifest, target, dst, info.sha, rehash):
+      if _complete(manifest.files.get(target), dst, siblings[rfilename], rehash):
         counts["skipped"] += 1
         continue
       t0 = time.monotonic()
@@ -267,6 +275,7 @@ def fetch_artifacts(
       manifest.files[target] = {
         "repo_id": art.repo_id, "repo_type": art.repo_type, "file": rfilename,
         "commit": info.sha, "size": size, "sha256": digest,
+        "hub_hash": _hub_hash(siblings[rfilename]),
       }  # fmt: skip
       manifest.save()
       counts["fetched"] += 1

@@ -153,6 +153,15 @@ def test_fetch_lays_out_the_bundle_verified_and_a_rerun_fetches_only_what_is_mis
   ]
   assert fetch.sha256_of(damaged) == manifest["data/ASearcher-Base-35k.jsonl"]["sha256"]
 
+  # A new commit that adds a file and leaves the others alone fetches only the new one.
+  before = len(hub.downloads)
+  hub.add(
+    "model", "intfloat/e5-base-v2", {"config.json": b'{"model_type": "bert"}', "README.md": b"e5"}
+  )
+  fourth = _cli("fetch", "asearcher_local_7b", "--to", str(dest), hub=hub)
+  assert fourth.returncode == 0, fourth.stderr[-3000:]
+  assert hub.downloads[before:] == ["intfloat/e5-base-v2/README.md"]
+
   # The recipe configures on the fetched directory (the bucket test below also trains on it).
   args = _train_args(str(dest), dest / "indexes" / "wiki18_e5", tmp_path / "run")
   checked = _cli(*args, "--check", hub=hub)
