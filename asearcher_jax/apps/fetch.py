@@ -28,11 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from asearcher_jax import storage
-from asearcher_jax.errors import ConfigValueError
+from asearcher_jax.errors import AsearcherError, ConfigValueError
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "fetch_manifest.json"
+
+
+class FetchError(AsearcherError):
+  """A downloaded file is not what the Hub says it is (exit status 1: the data, not the config)."""
+
+
 CHUNK = 8 << 20  # bytes read at a time when hashing or uploading
 
 
@@ -178,11 +184,11 @@ def _verify_against_hub(local: str, sibling: Any, where: str) -> str:
   lfs = getattr(sibling, "lfs", None)
   if lfs is not None and getattr(lfs, "sha256", None):
     if digest != lfs.sha256:
-      raise ConfigValueError(f"fetch: {where}: sha256 {digest} but the Hub says {lfs.sha256}")
+      raise FetchError(f"fetch: {where}: sha256 {digest} but the Hub says {lfs.sha256}")
   elif getattr(sibling, "blob_id", None):
     blob = git_blob_sha1(local)
     if blob != sibling.blob_id:
-      raise ConfigValueError(f"fetch: {where}: git blob {blob} but the Hub says {sibling.blob_id}")
+      raise FetchError(f"fetch: {where}: git blob {blob} but the Hub says {sibling.blob_id}")
   return digest
 
 

@@ -252,3 +252,26 @@ def test_the_local_7b_recipe_trains_two_steps_on_what_fetch_put_in_a_bucket(
   log = trained.stderr
   assert "model_dir: copying gs://" in log and "questions: copying gs://" in log
   assert "models/Qwen2.5-7B (qwen2" in log  # the policy is the fetched checkpoint
+
+
+def test_a_file_unlike_the_hubs_hash_of_it_is_refused(tmp_path):
+  """Checked against the LFS sha256 the Hub publishes, else the git blob id (as `git
+  hash-object` computes it)."""
+  import hashlib
+
+  from huggingface_hub.hf_api import BlobLfsInfo, RepoSibling
+
+  f = tmp_path / "f.jsonl"
+  f.write_bytes(b'{"question": "q"}\n')
+  blob = subprocess.run(["git", "hash-object", str(f)], capture_output=True, text=True, check=True)
+  assert fetch.git_blob_sha1(f) == blob.stdout.strip()
+  sha = hashlib.sha256(f.read_bytes()).hexdigest()
+  small = RepoSibling(rfilename="f.jsonl", size=18, blob_id=blob.stdout.strip())
+  assert fetch._verify_against_hub(str(f), small, "x") == sha
+  lfs = RepoSibling(rfilename="f.jsonl", lfs=BlobLfsInfo(size=18, sha256=sha, pointer_size=134))
+  assert fetch._verify_against_hub(str(f), lfs, "x") == sha
+  with pytest.raises(fetch.FetchError, match=r"^fetch: org/x/f.jsonl: git blob \w+ but the Hub"):
+    fetch._verify_against_hub(str(f), RepoSibling(rfilename="f", blob_id="0" * 40), "org/x/f.jsonl")
+  wrong = BlobLfsInfo(size=18, sha256="0" * 64, pointer_size=134)
+  with pytest.raises(fetch.FetchError, match=r"sha256 \w+ but the Hub says 0{64}"):
+    fetch._verify_against_hub(str(f), RepoSibling(rfilename="f", lfs=wrong), "x")
