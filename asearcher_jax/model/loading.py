@@ -119,7 +119,7 @@ def load_policy(
     else:
       policy = init_sharded(cfg, seed, *layout(cfg))
     what = f"a random {cfg.model_type} policy ({cfg.num_params() / 1e6:.1f}M params)"
-  tok_dir = tokenizer_dir
+  tok_dir = storage.local_copy(tokenizer_dir, what="tokenizer_dir") if tokenizer_dir else None
   if tok_dir is None and model_dir is not None:
     has = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "vocab.json"))
     tok_dir = model_dir if has else None
