@@ -48,6 +48,7 @@ SUBCOMMANDS: dict[str, str] = {
   "plan": "asearcher_jax.apps.plan:plan",
   "compile": "asearcher_jax.apps.compile:compile_recipe",
   "sweep": "asearcher_jax.apps.sweep:sweep",
+  "fetch": "asearcher_jax.apps.fetch:fetch",
 }
 
 # Commands that take another subcommand's whole command line: `asearcher rehearse --topology
@@ -62,7 +63,7 @@ WRAPPERS = {"rehearse": "compile a role's programs for its TPU slice, as the rol
 # into host memory, from one process; inspect and audit read a run's files. A subcommand that runs
 # no model on an accelerator belongs here. (`sweep` does not: its points inherit its environment
 # and train on the accelerator.)
-CPU_ONLY = frozenset({"serve-retrieval", "index", "plan", "export", "inspect", "audit"})
+CPU_ONLY = frozenset({"serve-retrieval", "index", "plan", "export", "inspect", "audit", "fetch"})
 
 # Config classes this module builds through gin itself (`distributed_config`, `compile_cache_config`).
 ROOT_CONFIGS = (
@@ -80,7 +81,7 @@ GIN_SEARCH_PATHS = (Path.cwd(), _REPO_ROOT)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # Libraries whose INFO/DEBUG chatter is not ours to show at the default level.
-QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "urllib3", "httpx", "filelock")
+QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge", "urllib3", "httpx", "httpx2", "filelock")
 
 
 def _resolve(target: str) -> Callable[..., object]:
@@ -390,6 +391,26 @@ def _rehearse_each() -> int:
   return 0
 
 
+def _fetch_argv(argv: list[str]) -> list[str]:
+  """`asearcher fetch BUNDLE --to DEST`: the bundle (a positional that is not a gin file) and
+  `--to` become fetch's bindings; the gin-bound form stays for scripts."""
+  import json
+
+  out: list[str] = []
+  rest = iter(argv[1:])
+  for arg in rest:
+    if arg == "--to" or arg.startswith("--to="):
+      dest = arg.partition("=")[2] if "=" in arg else next(rest, "")
+      out.append(f"--gin_param=fetch.fetch.to={json.dumps(dest)}")
+    elif arg in ("--gin_param", "--gin_file", "--log_level", "--operative_config"):
+      out += [arg, next(rest, "")]  # a flag's value, not a bundle
+    elif not arg.startswith("-") and not arg.endswith(".gin"):
+      out.append(f"--gin_param=fetch.fetch.bundle={json.dumps(arg)}")
+    else:
+      out.append(arg)
+  return ["fetch", *out]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   from asearcher_jax import tpu_env
@@ -407,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rest, overrides = compiling.split_flags(argv[1:])
     argv = ["compile", *rest]
+  if argv[:1] == ["fetch"]:
+    argv = _fetch_argv(argv)
   if argv == ["--check-each"]:
     return _check_each_main()
   if "--check" in argv:

@@ -302,3 +302,57 @@ def mirror(url: str, dest: str | os.PathLike, *, skip: Sequence[str] = HEAVY) ->
       os.replace(tmp, target)
       copied += 1
   return copied
+
+
+def cache_root() -> str:
+  """Where gs:// inputs are copied to be read locally ($ASEARCHER_HOME or ~/.cache/asearcher_jax)."""
+  home = os.environ.get("ASEARCHER_HOME") or os.path.join(
+    os.path.expanduser("~"), ".cache", "asearcher_jax"
+  )
+  return os.path.join(home, "gcs-cache")
+
+
+def _files_under(folder: Any) -> list[Any]:
+  """Every file below a gs:// folder (epath refuses `rglob` there: one listing per level)."""
+  out = []
+  for p in folder.iterdir():
+    out.extend(_files_under(p) if p.is_dir() else [p])
+  return out
+
+
+def local_copy(path: str | os.PathLike, *, what: str) -> str:
+  """A gs:// file or folder copied into the local cache (a path is returned as it is).
+
+  Readers that need a local file (faiss, safetensors' memory map, tokenizers, gzip over a seek)
+  take one: a checkpoint, a questions file, an index directory given as gs:// is copied once
+  under `cache_root()` (a file already there at the bucket's size is kept, so a restart copies
+  nothing), with one log line saying so; `what` names the input in it.
+  """
+  path = os.fspath(path)
+  if not path.startswith(("gs://", "gcs://")):
+    return path
+  import logging
+  import shutil
+
+  from etils import epath
+
+  gcs_without_listing_cache()
+  src = epath.Path(path)
+  local = os.path.join(cache_root(), path.split("://", 1)[1].rstrip("/"))
+  if not src.exists():
+    raise FileNotFoundError(f"{what}: {path} does not exist")
+  files = [src] if src.is_file() else _files_under(src)
+  logging.getLogger(__name__).info(
+    "%s: copying %s (%d files) to the local cache %s", what, path, len(files), local
+  )
+  for f in files:
+    dst = local if f == src else os.path.join(local, os.fspath(f.relative_to(src)))
+    size = f.stat().length
+    if os.path.exists(dst) and os.path.getsize(dst) == size:
+      continue
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = f"{dst}.part"
+    with f.open("rb") as r, open(tmp, "wb") as w:
+      shutil.copyfileobj(r, w, 8 << 20)
+    os.replace(tmp, dst)
+  return local

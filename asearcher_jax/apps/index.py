@@ -5,11 +5,13 @@ Runs with no gin file at all: the shipped corpus, a BM25 index under the user ca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from asearcher_jax import storage
 from asearcher_jax.tools.retrieval.corpus import default_corpus_paths
 from asearcher_jax.tools.retrieval.index import (
   BM25Config,
@@ -20,6 +22,18 @@ from asearcher_jax.tools.retrieval.index import (
 )
 
 log = logging.getLogger(__name__)
+
+# backend="auto": corpus files larger than this in all (bytes, as stored, so a .gz counts
+# compressed) get the on-disk "tantivy" BM25, smaller ones bm25s in memory. bm25s holds the whole
+# index in memory, ~6 kB a wiki-18 passage (126 GB at 21M passages, docs/measurements.md);
+# 256 MiB of wiki-18 jsonl is ~400k passages, ~2.4 GB of bm25s, where tantivy streams in ~1 GB.
+LARGE_CORPUS_BYTES = 256 << 20
+
+
+def auto_backend(paths: Sequence[Path]) -> str:
+  """The BM25 engine `backend="auto"` picks for these corpus files (LARGE_CORPUS_BYTES)."""
+  size = sum(p.stat().st_size for p in paths if p.is_file())
+  return "tantivy" if size > LARGE_CORPUS_BYTES else "bm25"
 
 
 def default_index_dir() -> Path:
@@ -33,7 +47,7 @@ def build_index(
   corpus: str | Sequence[str] = (),
   add_shipped_corpus: bool = False,
   index_dir: str | None = None,
-  backend: str = "bm25",
+  backend: str = "auto",
   bm25: BM25Config = BM25Config(),
   tantivy: TantivyConfig = TantivyConfig(),
   dense: DenseIndexConfig = DenseIndexConfig(),
@@ -55,8 +69,9 @@ def build_index(
       distractors around one's own documents.
     index_dir: where the index goes; None: the shipped corpus's default ($ASEARCHER_HOME or
       ~/.cache/asearcher_jax, index/default-bm25).
-    backend: "bm25" (bm25s in memory, the default: corpora up to a few hundred thousand
-      passages), "tantivy" (BM25 on disk, the corpus streamed: wiki-18's 21M passages),
+    backend: "auto" (the default: "tantivy" for corpus files over LARGE_CORPUS_BYTES, 256 MiB,
+      else "bm25"), "bm25" (bm25s in memory: corpora up to a few hundred thousand passages),
+      "tantivy" (BM25 on disk, the corpus streamed: wiki-18's 21M passages),
       "dense" (`encoder` + a faiss index, see `dense`) or "hybrid" (dense and BM25 fused by
       reciprocal rank, see `hybrid`).
     bm25: the BM25 settings (stemmer, stopwords, k1, b, variant; `index.BM25Config.*`); tantivy
@@ -77,9 +92,16 @@ def build_index(
   """
   if isinstance(corpus, str):  # one path, not a sequence of one-letter paths
     corpus = [corpus]
-  paths = [Path(p) for p in corpus] or default_corpus_paths()
+  # gs:// corpus files are read from the local cache (`storage.local_copy`)
+  paths = [Path(storage.local_copy(p, what="corpus")) for p in corpus] or default_corpus_paths()
   if add_shipped_corpus and corpus:
     paths += default_corpus_paths()
+  if backend == "auto":
+    backend = auto_backend(paths)
+    log.info("index: backend %s for %s (auto, over %d bytes: tantivy)", backend,
+             ", ".join(map(str, paths)), LARGE_CORPUS_BYTES)  # fmt: skip
+  if dense.prebuilt:  # faiss reads a local file
+    dense = dataclasses.replace(dense, prebuilt=storage.local_copy(dense.prebuilt, what="prebuilt"))
   out = Path(index_dir) if index_dir else default_index_dir()
   manifest = build_index_dir(
     corpus=paths,
@@ -89,7 +111,7 @@ def build_index(
     tantivy=tantivy,
     dense=dense,
     hybrid=hybrid,
-    pages_file=Path(pages_file) if pages_file else None,
+    pages_file=Path(storage.local_copy(pages_file, what="pages_file")) if pages_file else None,
     encoder=encoder,
     force=force,
     show_progress=show_progress,

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from asearcher_jax import storage
 from asearcher_jax.apps import rehearsal
 from asearcher_jax.apps.index import default_index_dir
 from asearcher_jax.tools.retrieval.corpus import CorpusError, default_corpus_paths
@@ -46,8 +47,8 @@ def serve(
   if index_dir is None:
     out = default_index_dir()
     build_index_dir(corpus=default_corpus_paths(), index_dir=out, show_progress=False)
-  else:
-    out = Path(index_dir)
+  else:  # a gs:// index is served from the local cache (faiss and tantivy read local files)
+    out = Path(storage.local_copy(index_dir, what="serve_retrieval.serve.index_dir"))
   if not out.exists():
     raise CorpusError(f"index directory {out} does not exist (run `asearcher index` first)")
   if encoder and config.worker_kind == "process":

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 
 from jax.sharding import Mesh
 
+from asearcher_jax import storage
 from asearcher_jax.model import sharding
 from asearcher_jax.model.config import ModelConfig
 from asearcher_jax.model.loading import load_policy
@@ -180,7 +181,8 @@ def start_retrieval_server(loop: CoroutineRunner, index_dir: str | None, addr_di
   from asearcher_jax.tools.retrieval.index import build_index_dir, load_index
   from asearcher_jax.tools.retrieval.server import RetrievalServer, RetrievalServerConfig
 
-  out = Path(index_dir) if index_dir else default_index_dir()
+  # a gs:// index is served from the local cache (faiss and tantivy read local files)
+  out = Path(storage.local_copy(index_dir, what="index")) if index_dir else default_index_dir()
   if index_dir is None:
     build_index_dir(corpus=default_corpus_paths(), index_dir=out, show_progress=False)
   for stale in addr_dir.glob("Host*_IP*.txt"):  # a killed run's server is gone

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import storage
 from asearcher_jax.errors import AsearcherError
 
 _ASSETS = Path(__file__).resolve().parents[1] / "assets" / "qa"
@@ -336,9 +337,10 @@ def load_qa_file(
   path: str | Path, *, name: str | None = None, data_source: str | None = None
 ) -> list[QAExample]:
   """All records of a .jsonl / .json / .csv file (optionally .gz) or a .parquet file, ids checked
-  for duplicates. `data_source`: only the rows whose `data_source` is that (Search-R1's merged
-  files hold every set, their ids restarting at test_0 in each)."""
-  path = Path(path)
+  for duplicates; a gs:// file is read from the local cache (`storage.local_copy`).
+  `data_source`: only the rows whose `data_source` is that (Search-R1's merged files hold every
+  set, their ids restarting at test_0 in each)."""
+  path = Path(storage.local_copy(path, what="questions"))
   dataset = name or data_source or path.name.split(".")[0]
   suffix = _base_suffix(path)
   text = "" if suffix == ".parquet" else _open_text(path)
@@ -408,7 +410,7 @@ def dataset_problem(
   """Why `load_dataset` would refuse `spec` before reading a record (`asearcher eval --check`
   asks before any model loads), or None when it names a shipped set, a file, a directory under
   `data_dir` or a set of Search-R1's merged `{data_dir}/{split}.parquet`."""
-  if spec in SHIPPED or Path(spec).is_file():
+  if spec in SHIPPED or storage.is_url(spec) or Path(spec).is_file():
     return None
   if data_dir is not None and (Path(data_dir) / spec).is_dir():
     return None
@@ -433,7 +435,7 @@ def load_dataset(
   merged = Path(data_dir) / f"{split}.parquet" if data_dir is not None else None
   if spec in SHIPPED:
     examples = load_qa_file(_ASSETS / SHIPPED[spec], name=spec)
-  elif Path(spec).is_file():
+  elif storage.is_url(spec) or Path(spec).is_file():
     examples = load_qa_file(spec)
   elif data_dir is not None and (Path(data_dir) / spec).is_dir():
     examples = load_asearcher_layout(data_dir, spec, split)
@@ -461,8 +463,9 @@ def load_training_qa(
   the reward blends them at a lower weight; the record's id (`qid`, `id`, `_id`, ...) is kept so
   logs and replays name the question the way the released data does (duplicates are allowed:
   group keys come from the data cursor, not the id).
+  A gs:// file is read from the local cache (`storage.local_copy`).
   """
-  path = Path(path) if path else DEFAULT_TRAINING_QA
+  path = Path(storage.local_copy(path, what="questions")) if path else DEFAULT_TRAINING_QA
   if path.is_dir():
     raise DatasetError(f"{path} is a directory, not a QA file (.json / .jsonl, optionally .gz)")
   text = _open_text(path)

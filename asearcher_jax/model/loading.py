@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from asearcher_jax import storage
 from asearcher_jax.model import hf_io, presets, transformer
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig, from_hf_config
@@ -53,6 +54,7 @@ def resolve_config(model_dir: str | None, model: ModelConfig | None) -> ModelCon
   that differs is logged (config.json's wins)."""
   if model_dir is None:
     return model or presets.model_config(name="qwen2-tiny")
+  model_dir = storage.local_copy(model_dir, what="model_dir")
   cfg = from_hf_config(hf_io.read_config(model_dir), **compute_overrides(model))
   differs = [f for f in ARCHITECTURE_FIELDS if model and getattr(model, f) != getattr(cfg, f)]
   if differs:
@@ -98,8 +100,10 @@ def load_policy(
   random model of `model` (default qwen2-tiny) that is written nowhere. layout: where the weights go; each device reads or
   initialises only its own shards, so no device ever holds the whole model (None: device 0). The
   tokenizer comes from `tokenizer_dir`, else from `model_dir` when it holds tokenizer files, else
-  the packaged Qwen2 vocabulary."""
+  the packaged Qwen2 vocabulary. A gs:// model_dir is read from the local cache
+  (`storage.local_copy`: safetensors are memory-mapped from local files)."""
   if model_dir is not None:
+    model_dir = storage.local_copy(model_dir, what="model_dir")
     mesh, rules = None, sharding_lib.DEFAULT_RULES
     cfg = resolve_config(model_dir, model)
     if layout is not None:
@@ -115,7 +119,7 @@ def load_policy(
     else:
       policy = init_sharded(cfg, seed, *layout(cfg))
     what = f"a random {cfg.model_type} policy ({cfg.num_params() / 1e6:.1f}M params)"
-  tok_dir = tokenizer_dir
+  tok_dir = storage.local_copy(tokenizer_dir, what="tokenizer_dir") if tokenizer_dir else None
   if tok_dir is None and model_dir is not None:
     has = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "vocab.json"))
     tok_dir = model_dir if has else None

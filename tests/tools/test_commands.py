@@ -223,3 +223,25 @@ def test_serve_retrieval_on_a_tpu_worker_never_joins_the_cluster(tmp_path: Path)
     if proc.poll() is None:
       proc.kill()
       proc.wait(timeout=10)
+
+
+def test_index_picks_the_on_disk_bm25_above_the_large_corpus_size(tmp_path: Path, monkeypatch):
+  """backend="auto" (gin/runs/index.gin's default): bm25s in memory for a corpus up to
+  LARGE_CORPUS_BYTES, tantivy on disk above it (wiki-18's 21M passages would need ~126 GB of
+  bm25s)."""
+  from asearcher_jax.apps import index as index_app
+
+  corpus = tmp_path / "c.jsonl"
+  corpus.write_text("".join(json.dumps({"id": str(i), "contents": f'"T{i}"\nword{i} text'}) + "\n"
+                            for i in range(20)))  # fmt: skip
+  size = corpus.stat().st_size
+  assert index_app.auto_backend([corpus]) == "bm25"
+  monkeypatch.setattr(index_app, "LARGE_CORPUS_BYTES", size - 1)
+  assert index_app.auto_backend([corpus]) == "tantivy"
+  assert index_app.build_index(corpus=str(corpus), index_dir=str(tmp_path / "ix"),
+                               show_progress=False) == 0  # fmt: skip
+  assert read_manifest(tmp_path / "ix")["backend"] == "tantivy"
+  monkeypatch.setattr(index_app, "LARGE_CORPUS_BYTES", size)
+  assert index_app.build_index(corpus=str(corpus), index_dir=str(tmp_path / "small"),
+                               show_progress=False) == 0  # fmt: skip
+  assert read_manifest(tmp_path / "small")["backend"] == "bm25"

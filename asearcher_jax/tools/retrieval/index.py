@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from asearcher_jax import storage
 from asearcher_jax.tools.retrieval.corpus import CorpusError, PageStore, Passage
 from asearcher_jax.tools.retrieval.dense_index import (
   DenseIndex,
@@ -223,6 +224,8 @@ def load_encoder(spec: str) -> Encoder:
   """An encoder named in gin or a manifest: `"e5:<dir>"` (or a bare directory holding a Hugging
   Face e5/BERT model) loads `e5.E5Encoder` from it; `"package.module:factory"` -> factory()."""
   prefix, _, rest = spec.partition(":")
+  if prefix == "e5" and rest.startswith("gs://"):
+    rest = storage.local_copy(rest, what="encoder")
   if prefix == "e5" or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file()):
     model_dir = Path(rest if prefix == "e5" else spec)
     if not (model_dir / "config.json").is_file():
@@ -321,9 +324,10 @@ def load_index(directory: Path, *, encoder: Encoder | None = None) -> LoadedInde
   """Loads an index directory written by `build_index_dir`.
 
   A dense or hybrid index re-creates its encoder from the manifest's `encoder` spec unless one is
-  passed; its passage count must equal the faiss index's rows (row i is passage i).
+  passed; its passage count must equal the faiss index's rows (row i is passage i). A gs://
+  directory is read from the local cache (`storage.local_copy`: faiss reads local files).
   """
-  directory = Path(directory)
+  directory = Path(storage.local_copy(directory, what="index"))
   manifest = read_manifest(directory)
   if manifest is None:
     raise CorpusError(f"no index at {directory} (run `asearcher index` first)")
