@@ -88,7 +88,7 @@ class PPOConfig:
   eps_clip: float = 0.2
   eps_clip_high: float | None = None
   dual_clip: float | None = None
-  off_policy: losses.OffPolicyConfig = losses.OffPolicyConfig()
+  off_policy: losses.OffPolicyConfig = dataclasses.field(default_factory=losses.OffPolicyConfig)
   recompute_prox: bool = True
   fused_prox: bool = True
   reward_bias: float = 0.0

@@ -97,7 +97,7 @@ def test_icepop_masks_two_sided_and_passes_no_gradient_through_masked_tokens():
       jnp.asarray(MASK),
       off_policy=cfg,
       segment_ids=jnp.asarray(SEGMENTS),
-    )[0]  # fmt: skip
+    )[0]
   )(prox)
   # d/dlogp of -c * A * u / n at u = 1: -c / 4 on kept tokens, 0 elsewhere.
   np.testing.assert_allclose(np.asarray(grad)[0], [0, -3 / 4, 0, 0, 0, -0.5 / 4, 0], rtol=1e-6)
