@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from asearcher_jax.rl.losses import OffPolicyConfig, agreement_stats, ppo_loss
+from asearcher_jax.rl.trainer import TrainerConfig, agreement_metrics
 
 SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 0]], np.int32)
 MASK = np.array([[0, 1, 1, 0, 1, 1, 0]], np.float32)
@@ -166,3 +167,18 @@ def test_agreement_stats_by_hand():
   assert s["agree_abs_max"] == pytest.approx(2.0, rel=1e-6)
   assert s["agree_kl_k3"] == pytest.approx(float(np.mean(np.expm1(d) - d)), rel=1e-5)
   assert s["agree_out_frac"] == pytest.approx(1 / 3)  # only r = e^-2 leaves [0.5, 2]
+
+
+def test_agreement_metrics_are_named_by_the_sampler_tag_and_dropped_without_tokens():
+  step = {"ppo/loss": 1.0, "ppo/agree_abs_mean": 0.1, "ppo/agree_abs_max": 0.5,
+          "ppo/agree_tokens": 7.0}  # fmt: skip
+  out = agreement_metrics(step, "paged-gather.bfloat16")
+  assert out == {"ppo/loss": 1.0, "agreement/paged-gather.bfloat16/abs_mean": 0.1,
+                 "agreement/paged-gather.bfloat16/abs_max": 0.5,
+                 "agreement/paged-gather.bfloat16/tokens": 7.0}  # fmt: skip
+  # No token of the trained version: only the count, a zero mismatch would read as agreement.
+  none = agreement_metrics({**step, "ppo/agree_tokens": 0.0}, "fixed.float32")
+  assert none == {"ppo/loss": 1.0, "agreement/fixed.float32/tokens": 0.0}
+  assert agreement_metrics({"ppo/loss": 1.0}, "x") == {"ppo/loss": 1.0}  # recompute off
+  with pytest.raises(ValueError, match="sampler_tag"):
+    TrainerConfig(train_steps=1, batch_groups=1, sampler_tag="a/b")
