@@ -14,6 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from asearcher_jax import main
+from asearcher_jax.apps.train_config import LearnerConfig, TrainConfig
+from asearcher_jax.rl.learner import PPOConfig
 from asearcher_jax.rl.losses import OffPolicyConfig, agreement_stats, ppo_loss
 from asearcher_jax.rl.trainer import TrainerConfig, agreement_metrics
 
@@ -182,3 +185,16 @@ def test_agreement_metrics_are_named_by_the_sampler_tag_and_dropped_without_toke
   assert agreement_metrics({"ppo/loss": 1.0}, "x") == {"ppo/loss": 1.0}  # recompute off
   with pytest.raises(ValueError, match="sampler_tag"):
     TrainerConfig(train_steps=1, batch_groups=1, sampler_tag="a/b")
+
+
+def test_the_train_program_binds_the_correction_in_gin(capsys):
+  tis = OffPolicyConfig(kind="tis_token", cap=2.0)
+  assert TrainConfig().ppo().off_policy == OffPolicyConfig()  # the default: decoupled, 5
+  derived = TrainConfig(learner=LearnerConfig(off_policy=tis)).ppo()
+  assert derived.off_policy == tis and derived.row_len == TrainConfig().engine.max_seq_len
+  given = TrainConfig(learner=LearnerConfig(ppo=PPOConfig(row_len=64), off_policy=tis)).ppo()
+  assert given.off_policy == tis and given.row_len == 64
+  check = ["train", "--check", "gin/runs/train.gin"]
+  assert main.main([*check, "--gin_param=losses.OffPolicyConfig.kind='tis_seq'"]) == 0
+  assert main.main([*check, "--gin_param=losses.OffPolicyConfig.kind='icepop'"]) == 2
+  assert "floor must be > 0" in capsys.readouterr().err
