@@ -1,7 +1,7 @@
 """Off-policy corrections under staleness: held-out Avg@4 and trainer-sampler agreement for
 eta (max staleness) = 0, 4 and 16 under decoupled PPO (the default), token-level truncated IS
-and IcePop masking. No arguments; ~10-20 minutes on 2 busy CPU cores. The last line is one JSON
-object.
+and IcePop masking, over 3 seeds. No arguments; ~20 minutes on 2 busy CPU cores. The last line
+is one JSON object ("summary": per eta and correction, over the seeds; "runs": each run).
 
 Workload (a CPU-sized stand-in for the quickstart's RL stage, whose episodes take minutes each):
   policy    a random 2-layer model (hidden 64, vocabulary 101), sampled at temperature 1 by the
@@ -9,14 +9,15 @@ Workload (a CPU-sized stand-in for the quickstart's RL stage, whose episodes tak
             logprob is the engine's.
   task      a prompt of 6 random tokens; the reward is the fraction of the 8 generated tokens
             that are multiples of 4 (chance 0.25; a prompt-dependent target, the parity of the
-            prompt's first token, did not move from chance in 60 steps of this model). Groups of n = 4 samples, B = 4 groups per step, GRPO advantages
-            (reward minus the group mean), 30 steps, AdamW at 3e-3 (mid-curve: 1e-2 for 60 steps saturates every run at 1.0).
+            prompt's first token, did not move from chance in 60 steps of this model). Groups
+            of n = 4 samples, B = 4 groups per step, GRPO advantages (reward minus the group
+            mean), 30 steps, AdamW at 3e-3 (mid-curve: 1e-2 for 60 steps saturates at 1.0).
   staleness every group of step v is sampled by the weights of version v - s, s drawn uniformly
             from [0, eta] (the spread an async run with bound eta holds): the real engine swaps
             to the stored weights of that version before sampling it, the real learner trains.
   held-out  32 prompts never trained on, 4 samples each at temperature 1 with the final weights:
             Avg@4 = the mean reward over the 4 samples, averaged over the prompts (the same
-            prompts and seeds for every run; "avg4_init" is the initial policy's).
+            prompts and seeds for every run; "avg4_init" is the initial policies' mean).
   agreement the learner's per-step `ppo/agree_*` (tokens of the version being trained, from its
             proximal pass): mean |logp_engine - logp_learner| weighted by tokens, the max, the k3
             KL and the fraction of ratios outside [0.5, 2].
@@ -56,6 +57,7 @@ B = 4  # groups per step
 STEPS = 30
 HELD_OUT = 32
 ETAS = (0, 4, 16)
+SEEDS = (0, 1, 2)  # model init, prompts and staleness draws; one seed's spread is ~0.03 Avg@4
 CORRECTIONS = {
   "decoupled": OffPolicyConfig(),
   "tis_token": OffPolicyConfig(kind="tis_token", cap=2.0),
@@ -102,7 +104,9 @@ def group_of(prompt: list[int], results: list, gid: str, version: int) -> Group:
                created_version=version)  # fmt: skip
 
 
-async def run(driver: Driver, init, eta: int, correction: OffPolicyConfig, held_out) -> dict:
+async def run(
+  driver: Driver, init, eta: int, correction: OffPolicyConfig, held_out, seed: int
+) -> dict:
   graphdef, params = init
   learner = Learner(
     graphdef, jax.tree.map(lambda x: x.copy(), params),
@@ -110,7 +114,7 @@ async def run(driver: Driver, init, eta: int, correction: OffPolicyConfig, held_
     optimizer=steps.OptimizerConfig(learning_rate=3e-3, weight_decay=0.0),
   )  # fmt: skip
   history = {0: jax.tree.map(lambda x: x.copy(), params)}
-  rng = np.random.default_rng(0)  # the same prompts and staleness draws for every correction
+  rng = np.random.default_rng(seed)  # the same prompts and staleness draws for every correction
   t0 = time.perf_counter()
   per_step, rewards = [], []
   for v in range(STEPS):
@@ -137,6 +141,7 @@ async def run(driver: Driver, init, eta: int, correction: OffPolicyConfig, held_
   return {
     "eta": eta,
     "correction": correction.kind,
+    "seed": seed,
     "avg4_heldout": round(avg4, 4),
     "train_reward_last10": round(float(np.mean(rewards[-10 * B * N :])), 4),
     "agreement": {
@@ -154,32 +159,63 @@ async def run(driver: Driver, init, eta: int, correction: OffPolicyConfig, held_
   }
 
 
+def summary(runs: list[dict]) -> list[dict]:
+  """Per (eta, correction): Avg@4 mean and per seed, the agreement over all seeds' steps."""
+  out = []
+  for eta in ETAS:
+    for name in CORRECTIONS:
+      rs = [r for r in runs if r["eta"] == eta and r["correction"] == CORRECTIONS[name].kind]
+      toks = sum(r["agreement"]["tokens"] for r in rs)
+      out.append({
+        "eta": eta, "correction": name,
+        "avg4_heldout": round(float(np.mean([r["avg4_heldout"] for r in rs])), 4),
+        "avg4_per_seed": [r["avg4_heldout"] for r in rs],
+        "train_reward_last10": round(float(np.mean([r["train_reward_last10"] for r in rs])), 4),
+        "masked_frac_mean": float(np.mean([r["masked_frac_mean"] for r in rs])),
+        "imp_weight_max": max(r["imp_weight_max"] for r in rs),
+        "agreement": {
+          "tag": "fixed.float32", "tokens": toks,
+          "abs_mean": sum(r["agreement"]["abs_mean"] * r["agreement"]["tokens"] for r in rs)
+          / max(toks, 1),
+          "abs_max": max(r["agreement"]["abs_max"] for r in rs),
+          "kl_k3": sum(r["agreement"]["kl_k3"] * r["agreement"]["tokens"] for r in rs)
+          / max(toks, 1),
+          "out_frac": sum(r["agreement"]["out_frac"] * r["agreement"]["tokens"] for r in rs)
+          / max(toks, 1),
+        },
+      })  # fmt: skip
+  return out
+
+
 async def main() -> dict:
   cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=4, num_kv_heads=2, rope_theta=10000.0)  # fmt: skip
-  model = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
-  init = nnx.split(model)
-  engine = Engine.from_model(
-    model, Tokenizer.qwen2(),
-    EngineConfig(max_slots=16, max_seq_len=32, prefill_buckets=(8,), decode_rows=(16,)),
-  )  # fmt: skip
-  driver = Driver(engine, DriverConfig(request_timeout_s=REQUEST_TIMEOUT_S))
+  tokenizer = Tokenizer.qwen2()
   held_out = prompts_of(np.random.default_rng(12345), HELD_OUT)
   t0 = time.perf_counter()
-  try:
-    avg4_init = await avg_at_4(driver, held_out)
-    runs = []
-    for eta in ETAS:
-      for name, correction in CORRECTIONS.items():
-        r = await run(driver, init, eta, correction, held_out)
-        print(f"eta={eta} {name}: {json.dumps(r)}", flush=True)
-        runs.append(r)
-  finally:
-    driver.close()
+  runs, avg4_init = [], []
+  for seed in SEEDS:
+    model = transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
+    init = nnx.split(model)
+    engine = Engine.from_model(
+      model, tokenizer,
+      EngineConfig(max_slots=16, max_seq_len=32, prefill_buckets=(8,), decode_rows=(16,)),
+    )  # fmt: skip
+    driver = Driver(engine, DriverConfig(request_timeout_s=REQUEST_TIMEOUT_S))
+    try:
+      avg4_init.append(await avg_at_4(driver, held_out))
+      for eta in ETAS:
+        for name, correction in CORRECTIONS.items():
+          r = await run(driver, init, eta, correction, held_out, seed)
+          print(f"seed={seed} eta={eta} {name}: {json.dumps(r)}", flush=True)
+          runs.append(r)
+    finally:
+      driver.close()
   return {
     "benchmark": "off_policy",
     "steps": STEPS, "groups_per_step": B, "samples_per_group": N, "heldout_prompts": HELD_OUT,
-    "avg4_init": round(avg4_init, 4), "runs": runs, "wall_s": round(time.perf_counter() - t0, 1),
+    "seeds": list(SEEDS), "avg4_init": round(float(np.mean(avg4_init)), 4),
+    "summary": summary(runs), "runs": runs, "wall_s": round(time.perf_counter() - t0, 1),
   }  # fmt: skip
 
 
