@@ -212,13 +212,12 @@ def ppo_loss(
     pg = jnp.minimum(pg, bound)
 
   if off_policy.kind == "none":
-    w = jnp.ones_like(u)
+    log_w = jnp.zeros_like(u)  # w = 1: standard PPO
   else:
     log_w = jax.lax.stop_gradient(prox - behav_logp.astype(f32))
     log_w = jnp.where(mask & jnp.isfinite(log_w), log_w, 0.0)
-    w = jnp.exp(log_w)
-  c, keep = correction(jnp.log(w) if off_policy.kind == "none" else log_w, mask, off_policy,
-                       segment_ids)  # fmt: skip
+  w = jnp.exp(log_w)
+  c, keep = correction(log_w, mask, off_policy, segment_ids)
   c = jax.lax.stop_gradient(c)
   per_token = jnp.where(keep, c * pg, 0.0)
   loss = per_token.sum() / n
