@@ -49,6 +49,7 @@ def step_seconds(graphdef, params, row_len: int, fused: bool, repeats: int = 3) 
     "loss_mask": (rng.random(shape) < 0.1).astype(np.float32),
     "logprobs": np.full(shape, -1.0, np.float32),
     "advantages": rng.normal(size=shape).astype(np.float32),
+    "fresh_mask": np.ones(shape, np.float32),
   })  # fmt: skip
   times = []
   for _ in range(repeats + 1):  # the first includes compilation

@@ -8,7 +8,9 @@ replay logs, the trained tokens' versions and the resume log are read independen
 trainer's own metrics (`rl.audit`), so the answer holds whatever happened to the processes
 (kills, restarts, a full disk): no group lost, none trained twice, token versions that never go
 backwards, resumed episodes that matched their journals and, given the run's eta, no trained
-token older than eta versions. Run it once the run has stopped (nothing writing RUN_DIR).
+token older than eta versions. It also summarises the trainer-sampler logprob agreement per
+engine path and dtype from the metrics log (`rl.audit.agreement_summary`). Run it once the run
+has stopped (nothing writing RUN_DIR).
 
 Prints a report, then one JSON object on its last line. Exit status 0 when the run is
 consistent, 1 when the audit finds a problem, 2 when RUN_DIR is not a run directory.
@@ -71,12 +73,20 @@ def audit(
     ("  calls replayed", r.replayed_calls),
     ("  diverged", r.diverged),
   ]
+  agreement = run_audit.agreement_summary(run)
+  for tag, a in sorted(agreement.items()):
+    rows.append((f"agreement {tag}", (
+      f"|dlogp| mean {a['abs_mean']:.3g} max {a['abs_max']:.3g} (step {a['worst_step']}), "
+      f"KL k3 {a['kl_k3']:.3g}, ratio outside [0.5, 2] {a['out_frac']:.3g}, over "
+      f"{int(a['tokens'])} tokens of {a['steps']} steps"
+    )))  # fmt: skip
   for name, value in rows:
     print(f"{name:26} {value}")
   print("consistent" if not problems else "PROBLEMS:\n" + "\n".join(f"  {p}" for p in problems))
   summary = {
     "run_dir": str(run), **result.as_dict(), "batch_groups": batch_groups,
     "first_version": first_version, "eta": eta, "consistent": not problems, "problems": problems,
+    "agreement": agreement,
   }  # fmt: skip
   print(json.dumps(summary), flush=True)
   return 1 if problems else 0

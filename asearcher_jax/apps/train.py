@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -317,7 +318,7 @@ def build_run(
   ckpt = Checkpointer(checkpoint_config(config, run))
   writer = MetricWriter(local / "metrics", config=config.metrics)
   trainer = Trainer(
-    config=_trainer_config(config),
+    config=_trainer_config(config, _sampler_tag(config, eng, params)),
     learner=learner,
     replay=replay,
     staleness=staleness,
@@ -362,12 +363,25 @@ def checkpoint_config(config: TrainConfig, run: Path) -> CheckpointConfig:
   return CheckpointConfig(directory=directory, max_to_keep=config.checkpoints_kept)
 
 
-def _trainer_config(config: TrainConfig) -> TrainerConfig:
+def _sampler_tag(config: TrainConfig, eng: Any, params: Any) -> str:
+  """Which engine path and weight dtype sample the tokens, naming the agreement metrics:
+  fixed / paged-gather / paged-ragged / paged-ragged_reference (in process), remote-<dtype of
+  the published versions> (serve-model servers)."""
+  if eng is None:
+    dtype = config.remote.sync.dtype
+    return f"remote.{jnp.dtype(dtype).name if dtype else 'asloaded'}"
+  path = "fixed" if eng.cfg.kv_layout == "fixed" else f"paged-{eng.paged_attention}"
+  floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return f"{path}.{jnp.dtype(floats[0]).name if floats else 'unknown'}"
+
+
+def _trainer_config(config: TrainConfig, tag: str = "engine") -> TrainerConfig:
   return TrainerConfig(
     train_steps=config.train_steps,
     batch_groups=config.staleness.batch_groups,
     checkpoint_every=config.checkpoint_every,
     batch_timeout_s=config.batch_timeout_s,
+    sampler_tag=tag,
   )
 
 

@@ -23,6 +23,7 @@ from asearcher_jax.metric_writer import MetricWriterConfig
 from asearcher_jax.model.sharding import MeshConfig
 from asearcher_jax.model.steps import OptimizerConfig
 from asearcher_jax.rl.learner import PPOConfig
+from asearcher_jax.rl.losses import OffPolicyConfig
 from asearcher_jax.rl.replay import ReplayConfig
 from asearcher_jax.rl.rollout import RolloutConfig
 from asearcher_jax.rl.staleness import StalenessConfig
@@ -60,6 +61,9 @@ class LearnerConfig:
   ppo: PPOConfig | None = None
   # AdamW and its schedule.
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  # The off-policy correction (decoupled PPO, truncated / masked IS, IcePop), bindable without
+  # spelling out `ppo`; None: the PPOConfig's own (decoupled PPO, mask at 5).
+  off_policy: OffPolicyConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,9 +176,12 @@ class TrainConfig:
 
   def ppo(self) -> PPOConfig:
     """The learner's PPO settings (`learner.ppo`, else derived from the engine and sampling)."""
-    if self.learner.ppo is not None:
-      return self.learner.ppo
-    return PPOConfig(row_len=self.engine.max_seq_len, temperature=self.sampling_temperature)
+    ppo = self.learner.ppo or PPOConfig(
+      row_len=self.engine.max_seq_len, temperature=self.sampling_temperature
+    )
+    if self.learner.off_policy is not None:
+      ppo = dataclasses.replace(ppo, off_policy=self.learner.off_policy)
+    return ppo
 
   def learner_mesh(self) -> Mesh | None:
     """The learner's mesh (see `mesh`); builds nothing for one device in one process."""

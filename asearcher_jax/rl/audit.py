@@ -151,3 +151,44 @@ def audit_run(run_dir: str | Path, *, batch_groups: int = 1, first_version: int 
     resumed_episodes=len(resumed), replayed_calls=sum(r["replayed_calls"] for r in resumed),
     diverged=sum(bool(r["diverged"]) for r in resumed),
   )  # fmt: skip
+
+
+# Where the trainer's metric writer puts its JSONL log, under the train directory.
+METRICS_LOG = Path("metrics") / "metrics.jsonl"
+_AGREE = "agreement/"
+
+
+def agreement_summary(run_dir: str | Path) -> dict[str, dict[str, float]]:
+  """Trainer-sampler agreement over the run, per engine path and dtype tag, from the trainer's
+  metrics log (`agreement/<tag>/*`, written each step; the one part of the audit that trusts
+  the trainer's own numbers: the files hold no learner logprobs). Per tag: steps with tokens of
+  the trained version, their count, the token-weighted mean |logp_engine - logp_learner|, k3 KL
+  and fraction of ratios outside [0.5, 2], the max over steps of the per-token max, and the step
+  where it was reached. {} when the run has no metrics log or no agreement metrics."""
+  path = Path(run_dir) / METRICS_LOG
+  if not path.exists():
+    return {}
+  acc: dict[str, dict[str, float]] = {}
+  for line in path.read_text().splitlines():
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError:  # a torn last line of a killed run
+      continue
+    tags = {k[len(_AGREE) :].rsplit("/", 1)[0] for k in rec if k.startswith(_AGREE)}
+    for tag in tags:
+      get = lambda name, tag=tag, rec=rec: float(rec.get(f"{_AGREE}{tag}/{name}", 0.0))  # noqa: E731
+      n = get("tokens")
+      a = acc.setdefault(tag, {"steps": 0, "tokens": 0.0, "abs_mean": 0.0, "kl_k3": 0.0,
+                               "out_frac": 0.0, "abs_max": 0.0, "worst_step": -1})  # fmt: skip
+      if n <= 0:
+        continue
+      a["steps"] += 1
+      a["tokens"] += n
+      for k in ("abs_mean", "kl_k3", "out_frac"):
+        a[k] += get(k) * n
+      if get("abs_max") >= a["abs_max"]:
+        a["abs_max"], a["worst_step"] = get("abs_max"), int(rec.get("step", -1))
+  for a in acc.values():
+    for k in ("abs_mean", "kl_k3", "out_frac"):
+      a[k] /= max(a["tokens"], 1.0)
+  return acc

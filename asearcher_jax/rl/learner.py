@@ -37,6 +37,7 @@ from asearcher_jax.rl.replay import Group
 # structure, only (rarely) on the bucket shape.
 DEVICE_KEYS = (
   "tokens", "positions", "segment_ids", "loss_mask", "logprobs", "advantages", "prox_logprobs",
+  "fresh_mask",
 )  # fmt: skip
 
 
@@ -46,10 +47,9 @@ class PPOConfig:
   eps_clip: PPO clip, u in [1 - eps_clip, 1 + eps_clip] (AReaL recipes use 0.4).
   eps_clip_high: upper clip 1 + eps_clip_high (DAPO clip-higher); None = eps_clip.
   dual_clip: c > 1 bounds negative-advantage token losses by c * |A|; None disables.
-  imp_weight_cap: decoupled loss drops tokens whose pi_prox / pi_behav exceeds this; None keeps
-    all.
-  decoupled: the decoupled objective (clip around pi_prox, weight pi_prox / pi_behav); needs
-    recompute_prox. False = standard PPO around pi_old.
+  off_policy: the correction by pi_prox / pi_behav (`losses.OffPolicyConfig`): decoupled PPO
+    with a mask at 5 (AReaL's), truncated / masked importance sampling per token or sequence,
+    IcePop; every kind but "none" (standard PPO around pi_old) needs recompute_prox.
   recompute_prox: recompute logprobs with the pre-step weights (one extra forward per step);
     False uses the sampler's behaviour logprobs as pi_old (synchronous baseline, no forward).
   fused_prox: with one minibatch per step, take pi_prox from the optimizer step's own forward
@@ -88,8 +88,7 @@ class PPOConfig:
   eps_clip: float = 0.2
   eps_clip_high: float | None = None
   dual_clip: float | None = None
-  imp_weight_cap: float | None = 5.0
-  decoupled: bool = True
+  off_policy: losses.OffPolicyConfig = dataclasses.field(default_factory=losses.OffPolicyConfig)
   recompute_prox: bool = True
   fused_prox: bool = True
   reward_bias: float = 0.0
@@ -114,10 +113,11 @@ class PPOConfig:
       raise ValueError(f"eps_clip_high must be > 0, got {self.eps_clip_high}")
     if self.dual_clip is not None and self.dual_clip <= 1:
       raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-    if self.imp_weight_cap is not None and self.imp_weight_cap <= 0:
-      raise ValueError(f"imp_weight_cap must be > 0, got {self.imp_weight_cap}")
-    if self.decoupled and not self.recompute_prox:
-      raise ValueError("the decoupled loss needs recompute_prox=True (pi_prox is a forward pass)")
+    if self.off_policy.kind != "none" and not self.recompute_prox:
+      raise ValueError(
+        f"off_policy kind {self.off_policy.kind!r} needs recompute_prox=True (pi_prox is a "
+        "forward pass); kind 'none' is standard PPO"
+      )
     if self.reward_clip <= 0 or self.reward_scale == 0:
       raise ValueError("reward_clip must be > 0 and reward_scale non-zero")
     if self.ppo_n_minibatches < 1:
@@ -178,7 +178,10 @@ def ppo_objective(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """steps.LossFn for PPO: current logprobs at the sampler's temperature, then `ppo_loss`;
   metrics add `entropy`, the mean over loss tokens of the sampling distribution's entropy (from
-  the same forward: a policy collapsing onto few tokens shows here before in the reward)."""
+  the same forward: a policy collapsing onto few tokens shows here before in the reward), and,
+  with recomputed pi_prox, the trainer-sampler agreement (`losses.agreement_stats`) over the
+  tokens sampled at the weights being trained (`fresh_mask`): pi_prox is those weights' own
+  logprobs, so the agreement costs no forward pass."""
   logp, entropy = steps.score_batch_and_entropy(graphdef, params, batch, cfg.temperature)
   prox = jax.lax.stop_gradient(logp) if cfg.prox_in_step else batch["prox_logprobs"]
   loss, stats = losses.ppo_loss(
@@ -189,13 +192,17 @@ def ppo_objective(
     batch["loss_mask"],
     eps_clip=cfg.eps_clip,
     eps_clip_high=cfg.eps_clip_high,
-    decoupled=cfg.decoupled,
-    imp_weight_cap=cfg.imp_weight_cap,
+    off_policy=cfg.off_policy,
     dual_clip=cfg.dual_clip,
+    segment_ids=batch["segment_ids"],
   )
   mask = batch["loss_mask"] > 0
   n = jnp.maximum(mask.sum().astype(jnp.float32), 1.0)
-  return loss, {**stats, "entropy": jnp.where(mask, entropy, 0.0).sum() / n}
+  stats = {**stats, "entropy": jnp.where(mask, entropy, 0.0).sum() / n}
+  if cfg.recompute_prox:
+    fresh = mask & (batch["fresh_mask"] > 0)
+    stats.update(losses.agreement_stats(prox, batch["logprobs"], jax.lax.stop_gradient(fresh)))
+  return loss, stats
 
 
 def num_shards(mesh: Mesh | None) -> int:
@@ -398,8 +405,12 @@ class Learner:
     return Minibatch(arrays=arrays, num_sequences=len(idx))
 
   def to_device(self, mb: Minibatch) -> None:
-    host = {k: mb.arrays[k] for k in DEVICE_KEYS if k != "prox_logprobs"}
+    host = {k: mb.arrays[k] for k in DEVICE_KEYS if k not in ("prox_logprobs", "fresh_mask")}
     host["loss_mask"] = host["loss_mask"].astype(np.float32)
+    # Tokens the sampler drew with the weights this step trains (pi_prox's): the agreement set.
+    host["fresh_mask"] = (
+      (mb.arrays["loss_mask"] > 0) & (mb.arrays["versions"] == self.version)
+    ).astype(np.float32)
     # Every process packed the same global batch; each takes only the rows its devices hold.
     mb.device = (
       sharding_lib.put(host, self._batch_sharding)
@@ -446,10 +457,13 @@ class Learner:
     out: dict[str, float] = {}
     for k in per_step[0]:
       vals = [float(m[k]) for m in per_step]
-      if k == "imp_weight_max":
+      if k.endswith("_max"):
         out[f"ppo/{k}"] = max(vals)
-      elif k == "loss_tokens":
-        out["ppo/loss_tokens"] = sum(vals) / passes
+      elif k.endswith("tokens"):
+        out[f"ppo/{k}"] = sum(vals) / passes
+      elif k.startswith("agree_"):  # over the agreement tokens, not the loss tokens
+        n = [float(m["agree_tokens"]) for m in per_step]
+        out[f"ppo/{k}"] = float(np.dot(vals, n) / max(sum(n), 1.0))
       else:
         out[f"ppo/{k}"] = float(np.mean(vals))
     return out

@@ -73,6 +73,20 @@ _LEAD_FAILED = -1
 HISTORY_STEPS = 1000
 
 
+def agreement_metrics(metrics: dict[str, float], tag: str) -> dict[str, float]:
+  """The learner's `ppo/agree_*` statistics renamed `agreement/<tag>/*` (tag: the engine path
+  and dtype). A step without a token sampled at the trained version keeps only the count: a
+  zero mismatch over no tokens would read as perfect agreement."""
+  out = {k: v for k, v in metrics.items() if not k.startswith("ppo/agree_")}
+  tokens = metrics.get("ppo/agree_tokens")
+  if tokens is None:
+    return out
+  for k, v in metrics.items():
+    if k.startswith("ppo/agree_") and (tokens > 0 or k == "ppo/agree_tokens"):
+      out[f"agreement/{tag}/{k.removeprefix('ppo/agree_')}"] = v
+  return out
+
+
 def step_line(version: int, metrics: dict[str, float]) -> str:
   """The one log line per step. A step in which no episode finished has no reward metric; the
   line says so rather than printing `nan`, which reads like a fault."""
@@ -103,6 +117,10 @@ class TrainerConfig:
     process and let process 0's weight sync publish them whole (a sync that needs whole
     tensors); False: every process calls its own weight sync (the sharded weight store,
     `serving.weights_dir`: each process writes the shards it holds, nothing is gathered).
+  sampler_tag: the engine path and weight dtype that sampled the tokens (`sampler_tag`, e.g.
+    "paged-gather.bf16"), naming the trainer-sampler agreement metrics
+    `agreement/<tag>/{abs_mean,abs_max,kl_k3,out_frac,tokens}`, so runs over different paths
+    compare side by side in TensorBoard.
   """
 
   train_steps: int
@@ -112,8 +130,12 @@ class TrainerConfig:
   checkpoint_every: int = 1
   blocking_checkpoints: bool = False
   gather_weights: bool = False
+  sampler_tag: str = "engine"
 
   def __post_init__(self):
+    if not self.sampler_tag or "/" in self.sampler_tag:
+      raise ValueError(f"TrainerConfig.sampler_tag must be non-empty without '/', got "
+                       f"{self.sampler_tag!r}")  # fmt: skip
     if self.train_steps < 0 or self.batch_groups < 1:
       raise ValueError("train_steps must be >= 0 and batch_groups >= 1")
     if self.batch_timeout_s <= 0 or self.poll_s <= 0:
@@ -287,7 +309,7 @@ class Trainer:
     groups, wait_s = self._next_batch()
     t1 = time.perf_counter()
     version_before = self.learner.version
-    metrics = self._train(groups)
+    metrics = agreement_metrics(self._train(groups), self.config.sampler_tag)
     t2 = time.perf_counter()
     metrics.update(self.publish())
     t3 = time.perf_counter()

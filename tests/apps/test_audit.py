@@ -37,6 +37,28 @@ def test_a_consistent_run_exits_0_with_a_report_and_json(stub_run, capsys):
   assert summary["run_dir"] == str(stub_run) and summary["eta"] == 3
 
 
+def test_the_agreement_metrics_of_the_run_are_summarised_per_tag(stub_run, capsys):
+  tag = "agreement/paged-gather.bfloat16"
+  steps = [
+    {"step": 1, f"{tag}/tokens": 10.0, f"{tag}/abs_mean": 0.01, f"{tag}/abs_max": 0.05,
+     f"{tag}/kl_k3": 1e-4, f"{tag}/out_frac": 0.0},
+    {"step": 2, f"{tag}/tokens": 0.0},  # no token of the trained version: not averaged in
+    {"step": 3, f"{tag}/tokens": 30.0, f"{tag}/abs_mean": 0.03, f"{tag}/abs_max": 0.9,
+     f"{tag}/kl_k3": 3e-4, f"{tag}/out_frac": 0.1},
+  ]  # fmt: skip
+  (stub_run / "metrics").mkdir(exist_ok=True)
+  lines = [json.dumps(s) for s in steps] + ['{"step": 4, "agreem']  # a torn last line
+  (stub_run / "metrics" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  assert main.main(["audit", str(stub_run)]) == 0
+  out = capsys.readouterr().out
+  assert "agreement paged-gather.bfloat16" in out
+  a = _last_json(out)["agreement"]["paged-gather.bfloat16"]
+  assert (a["steps"], a["tokens"], a["worst_step"]) == (2, 40.0, 3)
+  assert a["abs_mean"] == pytest.approx((0.01 * 10 + 0.03 * 30) / 40)
+  assert a["out_frac"] == pytest.approx(3 / 40) and a["abs_max"] == 0.9
+  assert a["kl_k3"] == pytest.approx((1e-3 + 9e-3) / 40)
+
+
 def test_the_gin_bound_form_and_an_rl_stage_directory(stub_run, capsys):
   """A quickstart-shaped directory (the run under rl/), named through gin."""
   quick = stub_run.parent / "quick"

@@ -115,6 +115,9 @@ def test_quickstart_ci_size_trains_on_accepted_groups_and_reports(tiny_run):
   metrics_log = (run_dir / "rl" / "metrics" / "metrics.jsonl").read_text()
   rows = [json.loads(x) for x in metrics_log.splitlines()]
   assert rows and all(r["ppo/tokens"] > 0 for r in rows)
+  # The trainer-sampler agreement of every step, named by the engine path and dtype.
+  assert all(sum(k.startswith("agreement/") and k.endswith("/tokens") for k in r) == 1
+             for r in rows)  # fmt: skip
   assert rows[-1]["rollout/groups_accepted"] >= 2 * summary["rl_steps"]
   committed = [i for line in (run_dir / "rl" / "replay" / CONSUMED_LOG).read_text().splitlines()
                for i in json.loads(line)["ids"] if not json.loads(line).get("discarded")]  # fmt: skip

@@ -14,8 +14,12 @@ from flax import nnx
 from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model import steps, transformer
 from asearcher_jax.rl.learner import Learner, PPOConfig, ppo_objective
+from asearcher_jax.rl.losses import OffPolicyConfig
 from asearcher_jax.rl.replay import Group
 from tests.model.test_model import small_cfg
+
+CAP_1_2 = OffPolicyConfig(cap=1.2)  # decoupled, with a mask that bites on noisy behaviour
+STANDARD = OffPolicyConfig(kind="none")
 
 LEN, PROMPT = 12, 4
 
@@ -96,7 +100,7 @@ def test_ppo_steps_raise_positive_and_lower_negative_sequences_without_recompili
 def test_first_minibatch_ratio_is_one_and_weights_are_decoupled(model):
   _, graphdef, params = model
   learner = Learner(
-    graphdef, _fresh(params), ppo=PPOConfig(row_len=32, imp_weight_cap=1.2),
+    graphdef, _fresh(params), ppo=PPOConfig(row_len=32, off_policy=CAP_1_2),
     optimizer=steps.OptimizerConfig(learning_rate=1e-3),
   )  # fmt: skip
   m = learner.train_step(_groups(model, noise=0.3))
@@ -121,7 +125,7 @@ def test_ppo_reports_the_sampling_entropy_over_loss_tokens(model):
     "tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(LEN), (n, LEN)),
     "segment_ids": jnp.ones((n, LEN), jnp.int32), "loss_mask": jnp.asarray(mask),
     "logprobs": jnp.zeros((n, LEN)), "advantages": jnp.ones((n, LEN)),
-    "prox_logprobs": jnp.zeros((n, LEN)),
+    "prox_logprobs": jnp.zeros((n, LEN)), "fresh_mask": jnp.ones((n, LEN)),
   }  # fmt: skip
   ppo = PPOConfig(row_len=LEN, temperature=0.8)
   _, metrics = jax.jit(lambda p, b: ppo_objective(ppo, graphdef, p, b))(params, batch)
@@ -138,7 +142,7 @@ def test_plain_ppo_without_recompute_skips_the_extra_forward(model):
   _, graphdef, params = model
   learner = Learner(
     graphdef, _fresh(params),
-    ppo=PPOConfig(row_len=32, decoupled=False, recompute_prox=False, global_norm=False),
+    ppo=PPOConfig(row_len=32, off_policy=STANDARD, recompute_prox=False, global_norm=False),
     optimizer=steps.OptimizerConfig(learning_rate=1e-3),
   )  # fmt: skip
   m = learner.train_step(_groups(model, noise=0.3))
@@ -146,7 +150,7 @@ def test_plain_ppo_without_recompute_skips_the_extra_forward(model):
   assert m["ppo/imp_weight_mean"] == 1.0 and m["ppo/cap_masked_frac"] == 0.0
   assert m["ppo/ratio_mean"] != pytest.approx(1.0, abs=1e-3)  # ratio is against pi_behav
   with pytest.raises(ValueError, match="recompute_prox"):
-    PPOConfig(decoupled=True, recompute_prox=False)
+    PPOConfig(recompute_prox=False)  # decoupled by default
 
 
 def test_advantage_pipeline_reward_transform_group_and_global_norm(model):
@@ -275,10 +279,10 @@ def test_one_minibatch_takes_prox_from_the_step_forward(model):
   replaces the separate scoring pass: same update and metrics, and no scoring pass runs."""
   _, graphdef, params = model
   opt = steps.OptimizerConfig(learning_rate=1e-3)
-  fused = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=32, imp_weight_cap=1.2),
+  fused = Learner(graphdef, _fresh(params), ppo=PPOConfig(row_len=32, off_policy=CAP_1_2),
                   optimizer=opt)  # fmt: skip
   apart = Learner(
-    graphdef, _fresh(params), ppo=PPOConfig(row_len=32, imp_weight_cap=1.2, fused_prox=False),
+    graphdef, _fresh(params), ppo=PPOConfig(row_len=32, off_policy=CAP_1_2, fused_prox=False),
     optimizer=opt,
   )  # fmt: skip
   assert fused.ppo.prox_in_step and not apart.ppo.prox_in_step

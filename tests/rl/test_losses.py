@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asearcher_jax.rl.losses import ppo_loss
+from asearcher_jax.rl.losses import OffPolicyConfig, ppo_loss
 
 
 def _inputs(seed=0, shape=(4, 33)):
@@ -76,7 +76,8 @@ def test_loss_matches_float64_numpy(decoupled, recompute, eps_high, cap, dual):
   f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
   loss, stats = ppo_loss(  # eager: 48 jit compiles would dominate the suite's runtime
     f32(logp), f32(prox), f32(behav), f32(adv), f32(mask),
-    eps_clip=0.2, eps_clip_high=eps_high, decoupled=decoupled, imp_weight_cap=cap, dual_clip=dual,
+    eps_clip=0.2, eps_clip_high=eps_high, dual_clip=dual,
+    off_policy=OffPolicyConfig(kind="decoupled" if decoupled else "none", cap=cap),
   )  # fmt: skip
   np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-5)
   for k, v in want_stats.items():
@@ -88,9 +89,10 @@ def test_loss_matches_float64_numpy(decoupled, recompute, eps_high, cap, dual):
 
 def test_standard_ppo_ignores_behaviour_and_decoupled_with_equal_policies_is_ppo():
   logp, prox, behav, adv, mask = _inputs(1)
-  a = ppo_loss(*map(jnp.asarray, (logp, prox, behav, adv, mask)), decoupled=False)[0]
-  b = ppo_loss(*map(jnp.asarray, (logp, prox, behav + 3.0, adv, mask)), decoupled=False)[0]
-  c = ppo_loss(*map(jnp.asarray, (logp, prox, prox, adv, mask)), decoupled=True)[0]
+  none = OffPolicyConfig(kind="none")
+  a = ppo_loss(*map(jnp.asarray, (logp, prox, behav, adv, mask)), off_policy=none)[0]
+  b = ppo_loss(*map(jnp.asarray, (logp, prox, behav + 3.0, adv, mask)), off_policy=none)[0]
+  c = ppo_loss(*map(jnp.asarray, (logp, prox, prox, adv, mask)))[0]  # decoupled by default
   np.testing.assert_allclose([float(b), float(c)], float(a), rtol=1e-6)
 
 

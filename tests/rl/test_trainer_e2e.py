@@ -235,6 +235,10 @@ def test_eta0_is_synchronous(tmp_path, byte_tok_dir):
   check_history(run.trainer.history, eta=0)
   for m in run.trainer.history:  # every trained token came from the policy being updated
     assert m["staleness/head_max"] == 0 == m["staleness/token_max"]
+    # ... so every one counts in the trainer-sampler agreement, tagged with the engine's path
+    # and dtype, and the fixed-slot float32 engine agrees with the learner to rounding.
+    assert m["agreement/fixed.float32/tokens"] == m["ppo/loss_tokens"] > 0
+    assert m["agreement/fixed.float32/abs_max"] <= 1e-4
   assert run.staleness.stats()["accepted"] <= 3  # B per version, never ahead
 
 
