@@ -162,8 +162,15 @@ def test_fetch_lays_out_the_bundle_verified_and_a_rerun_fetches_only_what_is_mis
   assert fourth.returncode == 0, fourth.stderr[-3000:]
   assert hub.downloads[before:] == ["intfloat/e5-base-v2/README.md"]
 
-  # The recipe configures on the fetched directory (the bucket test below also trains on it).
-  args = _train_args(str(dest), dest / "indexes" / "wiki18_e5", tmp_path / "run")
+  # The recipe configures on the fetched directory (the bucket test below also trains on it):
+  # the preflight names the one input a fetch does not bring, the index (`asearcher index`
+  # builds it from the fetched corpus), and passes once it is there.
+  index = dest / "indexes" / "wiki18_e5"
+  args = _train_args(str(dest), index, tmp_path / "run")
+  refused = _cli(*args, "--check", hub=hub)
+  assert refused.returncode == 2 and "wiki18_e5' does not exist" in refused.stderr
+  assert "build it with `asearcher index`" in refused.stderr
+  index.mkdir(parents=True)  # where `asearcher index` writes (its build: the bucket test below)
   checked = _cli(*args, "--check", hub=hub)
   assert checked.returncode == 0 and "configuration ok" in checked.stdout, checked.stderr[-3000:]
 

@@ -48,7 +48,7 @@ def test_a_7b_recipe_without_its_model_questions_or_index_names_the_missing_path
     ([], "commands.train.model_dir = '/mnt/asearcher/models/Qwen2.5-7B' does not exist"),
     ([f'MODEL_DIR="{model}"'], "commands.train.questions = '/mnt/asearcher/data/ASearcher"),
     ([f'MODEL_DIR="{model}"', f'QUESTIONS="{questions}"'],
-     "commands.train.retrieval_index_dir = '/mnt/asearcher/indexes/wiki18_bm25' does not exist"),
+     "commands.train.retrieval_index_dir = '/mnt/asearcher/indexes/wiki18_e5' does not exist"),
   ]  # fmt: skip
   for params, message in steps:
     argv = ["train", f"--gin_file={RECIPE_7B}", "--check", "--check_programs=none"]
