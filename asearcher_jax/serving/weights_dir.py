@@ -528,13 +528,15 @@ def _read_arrays(
       for k in {_key(i, wants[name].shape) for i in where.values()}
     }  # every read issued before any is waited for
     host = {key: wait(f, key[0]) for key, f in reads.items()}
-    for name, where, _ in batch:
+    for name, _, _ in batch:
       want = wants[name]
-      pieces = [
-        jax.device_put(np.asarray(host[name, _key(index, want.shape)]).astype(want.dtype), d)
-        for d, index in where.items()
-      ]
-      out[name] = jax.make_array_from_single_device_arrays(want.shape, want.sharding, pieces)
+
+      def piece(index: tuple[slice, ...], name: str = name, want: Any = want, host=host) -> Any:
+        return np.asarray(host[name, _key(index, want.shape)]).astype(want.dtype, copy=False)
+
+      # The pieces are on the host already; jax places them on their devices in one batch.
+      out[name] = jax.make_array_from_callback(want.shape, want.sharding, piece)
+    del host  # this batch's bytes are on the devices
     start = stop
   return out
 
