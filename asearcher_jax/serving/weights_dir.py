@@ -5,7 +5,15 @@ and every array through tensorstore, with its own GCS driver, no mount) holds
 
   v<version>/arrays/<name>/  one zarr3 array per parameter, cast to the publish dtype (bf16 by
                          default), one chunk per trainer shard: on a multi-host trainer every
-                         process writes the shards it holds, nothing is gathered to one host;
+                         process writes the shards it holds as whole objects, nothing is
+                         gathered to one host and no two processes share an object. Where the
+                         servers slice a parameter otherwise (`reader_slices`: the tensor size
+                         the publisher is told, `WeightSyncConfig.reader_tensor`, under the
+                         engine's own rules), each chunk is a `sharding_indexed` shard of inner
+                         chunks cut to the gcd of the trainer shard and the server's slice, so a
+                         server's range reads fetch its own slice's bytes, not the whole
+                         trainer chunks its slice crosses (4x the bytes for fsdp=8 rows under
+                         tensor=4 columns, `benchmarks/weight_store.py`);
   v<version>/parts/      one marker per trainer process, written once its chunks are;
   v<version>/config.json the model config (HF form; its dtype is the trainer's parameter dtype);
   v<version>/COMMITTED   the commit marker, written by process 0 once every part marker exists;
@@ -20,9 +28,11 @@ The pointer is replaced atomically (a rename on local disk; on GCS a small objec
 so a reader sees the previous version or the new one, never a mix. A version without its marker
 (a trainer that died mid-write) is never loaded: `load` refuses it by name, `versions()` skips it
 with a warning, and the next publish prunes it. Each server reads straight into its own placement:
-`load(version, shardings)` restores every array onto the given sharding and dtype (Orbax reads only
-the slices each device holds), so a bf16 store feeds a float32 single-device engine and a
-tensor-parallel one alike.
+`load(version, shardings)` restores every array onto the given sharding and dtype, each device's
+slice only, so a bf16 store feeds a float32 single-device engine and a tensor-parallel one alike.
+Every read of a version (all parameters, every distinct local slice) is issued at once as a
+tensorstore future, up to READ_BATCH_BYTES held at a time, and waited for under one deadline; a
+store laid out for other readers, one written chunk per shard, or an Orbax one, still loads.
 
 The trainer's publisher (`rl.weight_sync`) writes through `write_version`; each `serve-model` runs
 a `DirectoryWeightWatcher` that loads whatever the pointer names and hands it to its driver. One
