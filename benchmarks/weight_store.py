@@ -17,7 +17,8 @@ devices). It is published at bf16 both ways, then loaded into a tensor=4 serve-m
 Each: median seconds of 3 loads after a warm-up, bytes read (tensorstore's kvstore counters, the
 arrays' zarr.json included) per load and per reader chip (a chip's slices read alone: what a
 reader holding only that chip fetches), against the chip's own slice bytes; and the publish
-seconds of each layout. GB = 1e9 bytes. The last line is one JSON object.
+seconds of each layout; then the loads again from gs:// on a local GCS emulator (gcs_*: each read
+an HTTP round trip). GB = 1e9 bytes. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def _get(x):
   return x.get_value() if isinstance(x, nnx.Variable) else x
 
 
-def bytes_read() -> int:
-  got = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+def bytes_read(kvstore: str = "file") -> int:
+  got = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/{kvstore}/bytes_read")
   return sum(int(m["values"][0].get("value", 0)) for m in got)
 
 
@@ -99,16 +100,40 @@ def one_chip(version, shardings: nnx.State, chip) -> int:
   return bytes_read() - before
 
 
-def timed(load) -> tuple[float, int]:
+def timed(load, kvstore: str = "file") -> tuple[float, int]:
   load()  # warm-up
   seconds, fetched = [], []
   for _ in range(REPEATS):
-    before = bytes_read()
+    before = bytes_read(kvstore)
     t0 = time.perf_counter()
     jax.block_until_ready(load())
     seconds.append(time.perf_counter() - t0)
-    fetched.append(bytes_read() - before)
+    fetched.append(bytes_read(kvstore) - before)
   return statistics.median(seconds), int(statistics.median(fetched))
+
+
+def through_a_bucket(m: transformer.Transformer, where: nnx.State) -> dict:
+  """The same loads from gs:// on a local GCS emulator (tests/gcs_emulator.py: fake-gcs-server on
+  loopback, tensorstore's GCS driver): every read an HTTP round trip, as on a pod, without the
+  network's latency. {} where the emulator is not installed."""
+  try:
+    from tests import gcs_emulator
+  except ImportError:
+    return {}
+  out = {}
+  with gcs_emulator.running() as emulator:
+    bucket = emulator.create_bucket("weight-store-bench")
+    for layout, reader_tensor in (("chunk", 1), ("laid_out", TENSOR)):
+      store = wd.WeightStore(f"{bucket}/{layout}")
+      store.publish(m, 1, reader_tensor=reader_tensor)
+      legs = {"parallel": lambda store=store: store.load(1, where)}
+      if layout == "chunk":
+        legs["serial"] = lambda store=store: serial_load(store, where)
+      for how, load in legs.items():
+        seconds, fetched = timed(load, "gcs")
+        out[f"gcs_{layout}_{how}_load_s"] = seconds
+        out[f"gcs_{layout}_{how}_read_gb"] = fetched / GB
+  return out
 
 
 def main() -> dict:
@@ -147,6 +172,7 @@ def main() -> dict:
         out[f"{layout}_{how}_load_s"] = seconds
         out[f"{layout}_{how}_read_gb"] = fetched / GB
         out[f"{layout}_{how}_read_gb_per_chip"] = fetched / TENSOR / GB
+  out.update(through_a_bucket(m, where))
   out["read_ratio_before_over_after"] = (
     out["chunk_serial_read_gb"] / out["laid_out_parallel_read_gb"]
   )
