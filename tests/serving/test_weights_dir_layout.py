@@ -195,3 +195,19 @@ def test_the_layout_through_a_bucket(gcs_bucket):
     assert np.array_equal(np.asarray(v.get_value()), ref[p]), p
   data = sum(x.size * 2 for x in ref.values())
   assert data <= read - json_bytes(epath.Path(root) / "v00000001") <= 1.05 * data, (read, data)
+
+
+def test_a_load_in_batches_of_host_bytes_reads_the_same(tmp_path, monkeypatch):
+  """READ_BATCH_BYTES bounds the host bytes a load holds: at its smallest every parameter is its
+  own batch, and the arrays are the same."""
+  m = model(seed=7)
+  store = wd.WeightStore(tmp_path)
+  store.publish(trained(m), 1, reader_tensor=TENSOR)
+  where = serving_shardings(m)
+  at_once = flat(store.load(1, where))
+  monkeypatch.setattr(wd, "READ_BATCH_BYTES", 1)
+  one_by_one = flat(store.load(1, where))
+  ref = rounded(nnx.split(m)[1])
+  assert at_once.keys() == one_by_one.keys() == ref.keys()
+  for p in ref:
+    assert np.array_equal(at_once[p], ref[p]) and np.array_equal(one_by_one[p], ref[p]), p
