@@ -60,7 +60,7 @@ def json_bytes(version: epath.Path) -> int:
 
 def load_counting(store: wd.WeightStore, version: int, where: nnx.State, kvstore: str):
   """The load and the bytes it fetched: the fewer of two loads, since the counters are the
-  process's and a thread an earlier test left behind may be reading too."""
+  process's (another thread's reads would count too)."""
   fetched = []
   for _ in range(2):
     before = bytes_read(kvstore)
@@ -109,8 +109,10 @@ def test_servers_read_their_own_slices_not_the_trainers_chunks(tmp_path):
   # find another chip's fetch of it still in flight (tensorstore shares those): 1x to 4x.
   own_new = read_new - json_bytes(tmp_path / "new" / "v00000001")
   own_old = read_old - json_bytes(tmp_path / "old" / "v00000001")
-  assert data <= own_new <= 1.05 * data, (own_new, data)
-  assert own_old >= data, (own_old, data)
+  # (0.99: tensorstore bumps its counters just after a read completes, so a load's last bytes
+  # can land in the count a moment late.)
+  assert 0.99 * data <= own_new <= 1.05 * data, (own_new, data)
+  assert own_old >= 0.99 * data, (own_old, data)
 
 
 @pytest.mark.parametrize("reader_tensor", [TENSOR, 1], ids=["laid-out", "chunk-per-shard"])
@@ -143,7 +145,7 @@ def test_one_chip_reads_only_its_slice(tmp_path, reader_tensor):
   (read, own), (again, _) = read_chip_1(), read_chip_1()
   read = min(read, again)
   if reader_tensor == TENSOR:
-    assert own <= read <= 1.05 * own, (read, own)
+    assert 0.99 * own <= read <= 1.05 * own, (read, own)
   else:
     assert read >= 3.5 * own, (read, own)
 
@@ -194,7 +196,8 @@ def test_the_layout_through_a_bucket(gcs_bucket):
   for p, v in nnx.to_flat_state(got):
     assert np.array_equal(np.asarray(v.get_value()), ref[p]), p
   data = sum(x.size * 2 for x in ref.values())
-  assert data <= read - json_bytes(epath.Path(root) / "v00000001") <= 1.05 * data, (read, data)
+  own = read - json_bytes(epath.Path(root) / "v00000001")
+  assert 0.99 * data <= own <= 1.05 * data, (read, data)
 
 
 def test_a_load_in_batches_of_host_bytes_reads_the_same(tmp_path, monkeypatch):
