@@ -512,8 +512,10 @@ def _read_arrays(
       raise CheckpointError(f"cannot read {what} of weights version {path}: {e}") from e
 
   # One context for the whole version: its request and file-I/O concurrency limits bound every
-  # read of the load together (a context per array would multiply them by the parameters).
-  context = ts.Context()
+  # read of the load together (a context per array would multiply them by the parameters), and
+  # its small cache keeps each shard's index for the chips that read the same shard (without
+  # it every chip fetched the index again: ~1.9x the seconds of a local load).
+  context = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}})
   opening = {
     name: ts.open(_array_spec(path / ARRAYS / name), open=True, context=context) for name in wants
   }
