@@ -72,7 +72,8 @@ class Layout:
   # appended to); None: appended in the run dir itself (a local run).
   journal_dir: str | None = None
   # Chips each serve-model splits its replica over (tensor parallel: its serving slice's chips,
-  # or a local server's fake devices); None: the recipe's own binding.
+  # or a local server's fake devices), and the readers the trainer lays the weight store out for
+  # (`WeightSyncConfig.reader_tensor`); None: the recipe's own bindings.
   serving_tensor: int | None = None
   # The evaluation role: an evaluation recipe, then overlays; empty: no evaluation role. Its
   # recipe must import `apps.evaluate as commands`, `evaluation.runner as runner` and
@@ -139,6 +140,11 @@ def trainer_argv(layout: Layout) -> list[str]:
     f"--gin_param=train_config.RemoteEnginesConfig.address_files=({files},)",
     f"--gin_param=train_config.RemoteEnginesConfig.weights_dir={_q(layout.weights_dir)}",
   ]  # fmt: skip
+  if layout.serving_tensor is not None:  # the store laid out for the servers' slices
+    args += [
+      "--gin_param=train_config.RemoteEnginesConfig.sync=@weight_sync.WeightSyncConfig()",
+      f"--gin_param=weight_sync.WeightSyncConfig.reader_tensor={layout.serving_tensor}",
+    ]
   if layout.checkpoint_dir is not None:
     args.append(f"--gin_param=train_config.TrainConfig.checkpoint_dir={_q(layout.checkpoint_dir)}")
   if layout.journal_dir is not None:

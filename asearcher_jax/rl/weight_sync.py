@@ -61,6 +61,7 @@ from asearcher_jax.serving.weights_dir import (
   Snapshot,
   StorePath,
   prune_versions,
+  reader_slices,
   snapshot,
   store_path,
   write_snapshot,
@@ -111,6 +112,10 @@ class WeightSyncConfig:
     (module docstring), under jax.distributed too; False: `publish` returns once the version is
     committed. Off by default, so a run's versions are committed in its step order unless a
     recipe asks for the overlap.
+  reader_tensor: the chips each serve-model splits its replica over (`ServingMeshConfig.tensor`;
+    the launcher binds both to one number). The store's arrays are laid out so that each chip
+    reads only its own slice's bytes (`serving.weights_dir.reader_slices`); a server split
+    otherwise still loads every version, reading some bytes twice.
   """
 
   timeout_s: float = 600.0
@@ -118,12 +123,15 @@ class WeightSyncConfig:
   dtype: str | None = "bfloat16"
   compress: bool = False
   background: bool = False
+  reader_tensor: int = 1
 
   def __post_init__(self):
     if self.timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
     if self.keep_versions < 1:
       raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")
+    if self.reader_tensor < 1:
+      raise ValueError(f"reader_tensor must be >= 1, got {self.reader_tensor}")
     if self.dtype is not None:
       try:
         jnp.dtype(self.dtype)
@@ -203,6 +211,7 @@ class DirectoryWeightPublisher:
     self._writes = itertools.count()
     self._picks = itertools.count()
     self._cfg: ModelConfig | None = None  # the model's config, written beside each version
+    self._reader: dict[str, tuple[int, ...]] | None = None  # each param's slice on one server chip
 
   def publish(self, learner: PolicySource) -> dict[str, float]:
     with self._cond:
@@ -214,7 +223,7 @@ class DirectoryWeightPublisher:
     # On this thread: the copy (the next step donates the learner's buffers), the cast to the
     # publish dtype and the start of the device->host copies (XLA work every process launches
     # in the same order); the writer only waits for host bytes and writes them.
-    snap = snapshot(learner.params_copy(), dtype=self.config.dtype)
+    snap = snapshot(learner.params_copy(), dtype=self.config.dtype, reader=self._reader)
     snapshot_s = time.perf_counter() - t0
     if not self.config.background:
       path = self.write(snap, learner.version)
@@ -275,7 +284,10 @@ class DirectoryWeightPublisher:
     thread; returns its directory. Every process calls it for the same versions in order."""
     if not isinstance(params, Snapshot):
       self._remember_config(params)
-    snap = params if isinstance(params, Snapshot) else snapshot(params, dtype=self.config.dtype)
+    if isinstance(params, Snapshot):
+      snap = params
+    else:
+      snap = snapshot(params, dtype=self.config.dtype, reader=self._reader)
     assert self._cfg is not None, "write a Snapshot only after a publish or a write of a state"
     final = write_snapshot(
       self.root, snap, version, self._cfg, compress=self.config.compress,
@@ -289,6 +301,7 @@ class DirectoryWeightPublisher:
   def _remember_config(self, params: nnx.State) -> None:
     if self._cfg is None:  # merging references the arrays, copies nothing
       self._cfg = nnx.merge(self.graphdef, params).cfg
+      self._reader = reader_slices(self._cfg, self.config.reader_tensor)
 
   def _decides(self) -> bool:
     """Whether this process chooses which waiting version is written next (process 0; on

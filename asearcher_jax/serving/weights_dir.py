@@ -5,7 +5,15 @@ and every array through tensorstore, with its own GCS driver, no mount) holds
 
   v<version>/arrays/<name>/  one zarr3 array per parameter, cast to the publish dtype (bf16 by
                          default), one chunk per trainer shard: on a multi-host trainer every
-                         process writes the shards it holds, nothing is gathered to one host;
+                         process writes the shards it holds as whole objects, nothing is
+                         gathered to one host and no two processes share an object. Where the
+                         servers slice a parameter otherwise (`reader_slices`: the tensor size
+                         the publisher is told, `WeightSyncConfig.reader_tensor`, under the
+                         engine's own rules), each chunk is a `sharding_indexed` shard of inner
+                         chunks cut to the gcd of the trainer shard and the server's slice, so a
+                         server's range reads fetch its own slice's bytes, not the whole
+                         trainer chunks its slice crosses (4x the bytes for fsdp=8 rows under
+                         tensor=4 columns, `benchmarks/weight_store.py`);
   v<version>/parts/      one marker per trainer process, written once its chunks are;
   v<version>/config.json the model config (HF form; its dtype is the trainer's parameter dtype);
   v<version>/COMMITTED   the commit marker, written by process 0 once every part marker exists;
@@ -20,9 +28,11 @@ The pointer is replaced atomically (a rename on local disk; on GCS a small objec
 so a reader sees the previous version or the new one, never a mix. A version without its marker
 (a trainer that died mid-write) is never loaded: `load` refuses it by name, `versions()` skips it
 with a warning, and the next publish prunes it. Each server reads straight into its own placement:
-`load(version, shardings)` restores every array onto the given sharding and dtype (Orbax reads only
-the slices each device holds), so a bf16 store feeds a float32 single-device engine and a
-tensor-parallel one alike.
+`load(version, shardings)` restores every array onto the given sharding and dtype, each device's
+slice only, so a bf16 store feeds a float32 single-device engine and a tensor-parallel one alike.
+Every read of a version (all parameters, every distinct local slice) is issued at once as a
+tensorstore future, up to READ_BATCH_BYTES held at a time, and waited for under one deadline; a
+store laid out for other readers, one written chunk per shard, or an Orbax one, still loads.
 
 The trainer's publisher (`rl.weight_sync`) writes through `write_version`; each `serve-model` runs
 a `DirectoryWeightWatcher` that loads whatever the pointer names and hands it to its driver. One
@@ -35,10 +45,11 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -52,15 +63,17 @@ from jax.sharding import SingleDeviceSharding
 
 from asearcher_jax import distributed, storage
 from asearcher_jax.errors import CheckpointError
+from asearcher_jax.model import sharding as sharding_lib
 from asearcher_jax.model.config import ModelConfig, from_hf_config, to_hf_config
 from asearcher_jax.model.transformer import Transformer
+from asearcher_jax.serving import mesh as mesh_lib
 
 log = logging.getLogger(__name__)
 storage.gcs_without_listing_cache()  # readers and writers are different processes
 
 LATEST = "LATEST"
 COMMITTED = "COMMITTED"
-ARRAYS = "arrays"  # one zarr3 array per parameter, one chunk per trainer shard
+ARRAYS = "arrays"  # one zarr3 array per parameter, one shard object per trainer shard
 PARTS = "parts"  # one marker per trainer process, written once its pieces are
 PARAMS = "params"  # the Orbax checkpoint of stores written before ARRAYS (still read)
 CONFIG = "config.json"
@@ -170,6 +183,8 @@ class _Leaf:
   dtype: np.dtype
   chunk: tuple[int, ...]
   pieces: list[tuple[tuple[slice, ...], Any]]
+  # The read unit inside each chunk (`_inner`); None or == chunk: whole chunks (no index).
+  inner: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,11 +213,16 @@ def _name(path: tuple[Any, ...]) -> str:
   return ".".join(str(k) for k in path)
 
 
-def snapshot(params: nnx.State, *, dtype: str | None) -> Snapshot:
+def snapshot(
+  params: nnx.State, *, dtype: str | None, reader: Mapping[str, tuple[int, ...]] | None = None
+) -> Snapshot:
   """`params` cast to `dtype` (None keeps each param's) as this process's own shards, with their
   device->host copies started. Call on the trainer's thread, on a copy that survives the next
-  (donating) step, as `rl.weight_sync` does."""
+  (donating) step, as `rl.weight_sync` does. `reader`: each parameter's slice shape on one
+  serving chip (`reader_slices`); the arrays are then laid out so each reader fetches only its
+  own bytes (`_inner`). None: whole trainer shards are the read unit (the layout before)."""
   out_dtype = None if dtype is None else jnp.dtype(dtype)
+  reader = reader or {}
   leaves: dict[str, _Leaf] = {}
   nbytes = 0
   for path, var in nnx.to_flat_state(params):
@@ -210,11 +230,13 @@ def snapshot(params: nnx.State, *, dtype: str | None) -> Snapshot:
     if out_dtype is not None and x.dtype != out_dtype:
       x = x.astype(out_dtype)  # on device, sharding kept
     shape = tuple(x.shape)
+    name = _name(path)
     nbytes += int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
     if not isinstance(x, jax.Array):
       arr = np.asarray(x)
-      leaves[_name(path)] = _Leaf(
-        shape, arr.dtype, shape, [(tuple(slice(None) for _ in shape), arr)]
+      inner = _inner(shape, shape, reader.get(name))
+      leaves[name] = _Leaf(
+        shape, arr.dtype, shape, [(tuple(slice(None) for _ in shape), arr)], inner
       )
       continue
     pieces = []
@@ -222,7 +244,10 @@ def snapshot(params: nnx.State, *, dtype: str | None) -> Snapshot:
       if shard.replica_id == 0:
         shard.data.copy_to_host_async()
         pieces.append((shard.index, shard.data))
-    leaves[_name(path)] = _Leaf(shape, np.dtype(x.dtype), _chunk(x), pieces)
+    chunk = _chunk(x)
+    leaves[name] = _Leaf(
+      shape, np.dtype(x.dtype), chunk, pieces, _inner(shape, chunk, reader.get(name))
+    )
   return Snapshot(leaves=leaves, nbytes=nbytes)
 
 
@@ -233,6 +258,39 @@ def _chunk(x: jax.Array) -> tuple[int, ...]:
   return tuple(
     max(1, max(len(range(*s[d].indices(n))) for s in spans)) for d, n in enumerate(x.shape)
   )
+
+
+def _inner(
+  shape: tuple[int, ...], chunk: tuple[int, ...], read: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+  """The read unit inside a trainer chunk: per dimension the gcd of the chunk and the reader's
+  slice, so trainer shards and reader slices are both unions of whole units and a reader's
+  range reads fetch its own bytes and no others. None where the chunk already is one (or the
+  reader's slice does not fit the array: a store written for another model)."""
+  if read is None or len(read) != len(shape):
+    return None
+  inner = tuple(math.gcd(c, r) if r <= n else c for c, r, n in zip(chunk, read, shape, strict=True))
+  return None if inner == chunk else inner
+
+
+def reader_slices(cfg: ModelConfig, tensor: int) -> dict[str, tuple[int, ...]]:
+  """Each parameter's slice shape on one chip of a serve-model split over `tensor` chips, by the
+  rules the engine places its weights with (`serving.mesh.engine_rules`): what the publisher
+  lays the arrays out for (`WeightSyncConfig.reader_tensor`)."""
+  if tensor < 1:
+    raise ValueError(f"the readers' tensor size must be >= 1, got {tensor}")
+  _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  mesh = jax.sharding.AbstractMesh((1, 1, tensor), sharding_lib.MESH_AXES)
+  rules = mesh_lib.engine_rules(cfg, tensor)
+  out = {}
+  for path, var in nnx.to_flat_state(state):
+    shape = tuple(var.get_value().shape)
+    axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
+    spec = sharding_lib.logical_to_spec(axes, shape, mesh, rules)
+    split = [1 if a is None else sharding_lib.axis_size(mesh, a) for a in spec]
+    split += [1] * (len(shape) - len(split))
+    out[_name(path)] = tuple(n // k for n, k in zip(shape, split, strict=True))
+  return out
 
 
 def _kvstore(path: epath.Path) -> dict[str, Any]:
@@ -248,11 +306,20 @@ def _kvstore(path: epath.Path) -> dict[str, Any]:
 
 
 def _array_spec(path: epath.Path, leaf: _Leaf | None = None, *, compress: bool = False) -> dict:
+  """zarr3: chunks of the trainer's shards; where the readers slice them finer (`leaf.inner`),
+  each chunk is one `sharding_indexed` object of inner chunks with an index at its end, so a
+  reader's range reads fetch only its own inner chunks (plus 16 bytes of index per inner chunk)."""
   spec: dict[str, Any] = {"driver": "zarr3", "kvstore": _kvstore(path)}
   if leaf is not None:
     codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if compress:
       codecs.append({"name": "zstd", "configuration": {"level": 3}})
+    if leaf.inner is not None:
+      index = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+      codecs = [{"name": "sharding_indexed", "configuration": {
+        "chunk_shape": list(leaf.inner), "codecs": codecs, "index_codecs": index,
+        "index_location": "end",
+      }}]  # fmt: skip
     spec["metadata"] = {
       "shape": list(leaf.shape),
       "data_type": leaf.dtype.name,
@@ -332,13 +399,21 @@ _writes = itertools.count()  # every process writes in the same order: the same 
 
 
 def write_version(
-  root: StorePath, model: nnx.Module, version: int, *, dtype: str | None, compress: bool = False
+  root: StorePath,
+  model: nnx.Module,
+  version: int,
+  *,
+  dtype: str | None,
+  compress: bool = False,
+  reader_tensor: int = 1,
 ) -> epath.Path:
   """Writes `model`'s parameters as version `version` (cast to `dtype`; None keeps each param's
   dtype), then moves LATEST to it; returns the version's directory. `compress`: zstd chunks
-  (fewer bytes for a slow link; readers need nothing). Every process of a multi-host trainer
-  calls this, in the same order (`write_snapshot`)."""
-  snap = snapshot(nnx.split(model)[1], dtype=dtype)
+  (fewer bytes for a slow link; readers need nothing). `reader_tensor`: the chips each server
+  splits its replica over (`reader_slices`). Every process of a multi-host trainer calls this,
+  in the same order (`write_snapshot`)."""
+  reader = reader_slices(model.cfg, reader_tensor)
+  snap = snapshot(nnx.split(model)[1], dtype=dtype, reader=reader)
   key = f"asearcher/weights_dir/write_version/{next(_writes)}"
   return write_snapshot(root, snap, version, model.cfg, compress=compress, sync_key=key)
 
@@ -347,14 +422,17 @@ def _checkpointer(compress: bool) -> ocp.Checkpointer:
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress))
 
 
-def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.State:
+def load_version(
+  path: StorePath, shardings: nnx.State | None = None, *, timeout_s: float = 600.0
+) -> nnx.State:
   """Reads the version directory `path` into an NNX state of the model's parameters.
 
   `shardings`: the target placement, an NNX state with the model's structure whose leaves are
   `jax.sharding.Sharding`s (`model.sharding.param_shardings`; the dtype is the model config's)
   or arrays / ShapeDtypeStructs (their sharding and dtype, e.g. the engine's current params).
-  None: every array on device 0 in the config's dtype. Raises CheckpointError naming the version
-  for a missing or uncommitted directory or a structure that does not match.
+  None: every array on device 0 in the config's dtype. Every slice of every parameter is read
+  at once (`_read_arrays`), within `timeout_s`. Raises CheckpointError naming the version for a
+  missing or uncommitted directory, a structure that does not match or a read that timed out.
   """
   path = store_path(path)
   if not is_committed(path):
@@ -390,8 +468,9 @@ def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.Sta
       node = node.setdefault(str(key), {})
     node[str(p[-1])] = leaf
   if (path / ARRAYS).exists():
+    got = _read_arrays(path, {_name(p): _leaf(abstract, p) for p, _ in flat}, timeout_s)
     for p, var in flat:
-      var.set_value(_read_array(path, p, _leaf(abstract, p)))
+      var.set_value(got[_name(p)])
     return nnx.from_flat_state(flat)
   # A store written before the arrays moved to one tensorstore array per parameter: an Orbax
   # checkpoint. Every array read straight onto its target sharding, cast on the way.
@@ -408,23 +487,86 @@ def load_version(path: StorePath, shardings: nnx.State | None = None) -> nnx.Sta
   return nnx.from_flat_state(flat)
 
 
-def _read_array(path: epath.Path, p: tuple[Any, ...], want: jax.ShapeDtypeStruct) -> jax.Array:
-  """One parameter read onto `want`'s sharding and dtype: each device reads only its slice."""
-  name = _name(p)
-  try:
-    store = ts.open(_array_spec(path / ARRAYS / name), open=True).result()
-  except ValueError as e:
-    raise CheckpointError(f"cannot read {name} of weights version {path}: {e}") from e
-  if tuple(store.shape) != tuple(want.shape):
-    raise CheckpointError(
-      f"weights version {path} holds {name} with shape {tuple(store.shape)}, the model "
-      f"config says {tuple(want.shape)}"
-    )
+# Host bytes a load holds before it places them on devices (and frees them): the reads of a
+# version are issued together up to this much, then the next batch (a bound on host memory; a
+# 7B bf16 replica is ~4 batches).
+READ_BATCH_BYTES = 4 << 30
 
-  def piece(index: tuple[slice, ...]) -> np.ndarray:
-    return np.asarray(store[index].read().result()).astype(want.dtype)
 
-  return jax.make_array_from_callback(want.shape, want.sharding, piece)
+def _read_arrays(
+  path: epath.Path, wants: dict[str, jax.ShapeDtypeStruct], timeout_s: float = 600.0
+) -> dict[str, jax.Array]:
+  """The parameters `wants` names read onto their shardings and dtypes: every array opened at
+  once, then every slice this process's devices hold (each distinct slice once, replicas share
+  it) read at once as tensorstore futures, up to READ_BATCH_BYTES in flight, each wait bounded
+  by what is left of `timeout_s`; then each parameter's pieces placed on their devices in one
+  batch (one `device_put` per piece cost ~half a load on CPU)."""
+  deadline = time.monotonic() + timeout_s
+
+  def wait(future: Any, what: str) -> Any:
+    try:
+      return future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError as e:
+      raise CheckpointError(f"reading {what} of weights version {path}: over {timeout_s} s") from e
+    except ValueError as e:
+      raise CheckpointError(f"cannot read {what} of weights version {path}: {e}") from e
+
+  # One context for the whole version: its request and file-I/O concurrency limits bound every
+  # read of the load together (a context per array would multiply them by the parameters), and
+  # its small cache keeps each shard's index for the chips that read the same shard (without
+  # it every chip fetched the index again: ~1.9x the seconds of a local load).
+  context = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}})
+  opening = {
+    name: ts.open(_array_spec(path / ARRAYS / name), open=True, context=context) for name in wants
+  }
+  stores = {name: wait(f, name) for name, f in opening.items()}
+  plans: list[tuple[str, dict[Any, tuple[slice, ...]], int]] = []
+  for name, want in wants.items():
+    store = stores[name]
+    if tuple(store.shape) != tuple(want.shape):
+      raise CheckpointError(
+        f"weights version {path} holds {name} with shape {tuple(store.shape)}, the model "
+        f"config says {tuple(want.shape)}"
+      )
+    where = want.sharding.addressable_devices_indices_map(tuple(want.shape))
+    slices = {_key(index, want.shape) for index in where.values()}
+    nbytes = sum(_slice_bytes(k, store.dtype.numpy_dtype.itemsize) for k in slices)
+    plans.append((name, where, nbytes))
+  out: dict[str, jax.Array] = {}
+  start = 0
+  while start < len(plans):
+    stop, held = start, 0
+    while stop < len(plans) and (stop == start or held + plans[stop][2] <= READ_BATCH_BYTES):
+      held += plans[stop][2]
+      stop += 1
+    batch = plans[start:stop]
+    reads = {
+      (name, k): stores[name][tuple(slice(a, b) for a, b in k)].read()
+      for name, where, _ in batch
+      for k in {_key(i, wants[name].shape) for i in where.values()}
+    }  # every read issued before any is waited for
+    host = {key: wait(f, key[0]) for key, f in reads.items()}
+    for name, _, _ in batch:
+      want = wants[name]
+
+      def piece(index: tuple[slice, ...], name: str = name, want: Any = want, host=host) -> Any:
+        return np.asarray(host[name, _key(index, want.shape)]).astype(want.dtype, copy=False)
+
+      # The pieces are on the host already; jax places them on their devices in one batch.
+      out[name] = jax.make_array_from_callback(want.shape, want.sharding, piece)
+    del host  # this batch's bytes are on the devices
+    start = stop
+  return out
+
+
+def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  """A device's index as hashable (start, stop) pairs: replicas of one slice read it once."""
+  bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=False))
+  return bounds + tuple((0, n) for n in shape[len(index) :])
+
+
+def _slice_bytes(key: tuple[tuple[int, int], ...], itemsize: int) -> int:
+  return math.prod(b - a for a, b in key) * itemsize
 
 
 class WeightStore:
@@ -434,9 +576,17 @@ class WeightStore:
     self.root = store_path(root)
 
   def publish(
-    self, model: nnx.Module, version: int, *, dtype: str | None = "bfloat16", compress: bool = False
+    self,
+    model: nnx.Module,
+    version: int,
+    *,
+    dtype: str | None = "bfloat16",
+    compress: bool = False,
+    reader_tensor: int = 1,
   ) -> epath.Path:
-    return write_version(self.root, model, version, dtype=dtype, compress=compress)
+    return write_version(
+      self.root, model, version, dtype=dtype, compress=compress, reader_tensor=reader_tensor
+    )
 
   def latest(self) -> dict[str, Any] | None:
     return read_latest(self.root)
@@ -503,7 +653,7 @@ class DirectoryWeightWatcher:
     self.timeout_s = timeout_s
     if shardings is not None:  # keep only where the weights go, not the arrays passed in
       shardings = jax.tree.map(_placement, shardings)
-    self._load = load or (lambda path: load_version(path, shardings))
+    self._load = load or (lambda path: load_version(path, shardings, timeout_s=timeout_s))
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.loaded: list[int] = []

@@ -159,8 +159,11 @@ def main(spec: dict) -> None:
   store = None
   if spec.get("store"):  # every process publishes the shards it holds
     sync = WeightSyncConfig(dtype=None)
-    if spec.get("background"):  # on a writer thread; every committed version kept for the test
-      sync = WeightSyncConfig(dtype=None, background=True, keep_versions=100, timeout_s=120)
+    if spec.get("background"):  # on a writer thread; every committed version kept for the test;
+      # laid out for tensor=4 servers: both processes write shards of inner chunks
+      sync = WeightSyncConfig(
+        dtype=None, background=True, keep_versions=100, timeout_s=120, reader_tensor=4
+      )
     store = DirectoryWeightPublisher(run / "weights", graphdef, config=sync)
     if lead:
       rollout.store = store
