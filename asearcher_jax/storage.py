@@ -269,41 +269,6 @@ class ShippedLogs:
     self.ship()
 
 
-# What a view of a run never reads: weights, optimiser state and the replay queue's token arrays
-# (GBs on a pod run); everything else a run writes is small text.
-HEAVY = ("checkpoints", "replay", "weights", "compile_cache")
-
-
-def mirror(url: str, dest: str | os.PathLike, *, skip: Sequence[str] = HEAVY) -> int:
-  """Copies the files under the gs:// (or any epath) directory `url` into the local `dest`,
-  leaving out directories named in `skip`; a file already there with the same size is kept.
-  Returns the files copied. What the run views read a bucket's run directory through: they
-  walk a local tree."""
-  src = _epath(url)
-  if not src.exists():
-    raise FileNotFoundError(f"run directory {url} does not exist")
-  copied = 0
-  todo = [(src, os.path.abspath(os.fspath(dest)))]
-  while todo:
-    folder, local = todo.pop()
-    os.makedirs(local, exist_ok=True)
-    for entry in folder.iterdir():
-      target = os.path.join(local, entry.name)
-      if entry.is_dir():
-        if entry.name not in skip:
-          todo.append((entry, target))
-        continue
-      size = entry.stat().length
-      if os.path.exists(target) and os.path.getsize(target) == size:
-        continue
-      tmp = target + ".part"
-      with open(tmp, "wb") as f:
-        f.write(entry.read_bytes())
-      os.replace(tmp, target)
-      copied += 1
-  return copied
-
-
 def cache_root() -> str:
   """Where gs:// inputs are copied to be read locally ($ASEARCHER_HOME or ~/.cache/asearcher_jax)."""
   home = os.environ.get("ASEARCHER_HOME") or os.path.join(
@@ -312,21 +277,31 @@ def cache_root() -> str:
   return os.path.join(home, "gcs-cache")
 
 
-def _files_under(folder: Any) -> list[Any]:
-  """Every file below a gs:// folder (epath refuses `rglob` there: one listing per level)."""
+# What a view of a run directory never reads (`local_copy(skip=RUN_HEAVY)`): weights, optimiser
+# state and the replay queue's token arrays (GBs on a pod run); the rest a run writes is small.
+RUN_HEAVY = ("checkpoints", "replay", "weights", "compile_cache")
+
+
+def _files_under(folder: Any, skip: Sequence[str] = ()) -> list[Any]:
+  """Every file below a gs:// folder (epath refuses `rglob` there: one listing per level),
+  leaving out folders named in `skip`."""
   out = []
   for p in folder.iterdir():
-    out.extend(_files_under(p) if p.is_dir() else [p])
+    if p.is_dir():
+      out.extend(_files_under(p, skip) if p.name not in skip else [])
+    else:
+      out.append(p)
   return out
 
 
-def local_copy(path: str | os.PathLike, *, what: str) -> str:
+def local_copy(path: str | os.PathLike, *, what: str, skip: Sequence[str] = ()) -> str:
   """A gs:// file or folder copied into the local cache (a path is returned as it is).
 
   Readers that need a local file (faiss, safetensors' memory map, tokenizers, gzip over a seek)
   take one: a checkpoint, a questions file, an index directory given as gs:// is copied once
   under `cache_root()` (a file already there at the bucket's size is kept, so a restart copies
-  nothing), with one log line saying so; `what` names the input in it.
+  nothing), with one log line saying so; `what` names the input in it. `skip`: folders (by
+  name, at any depth) left out, e.g. a run directory's checkpoints (`RUN_HEAVY`).
   """
   path = os.fspath(path)
   if not path.startswith(("gs://", "gcs://")):
@@ -341,7 +316,7 @@ def local_copy(path: str | os.PathLike, *, what: str) -> str:
   local = os.path.join(cache_root(), path.split("://", 1)[1].rstrip("/"))
   if not src.exists():
     raise FileNotFoundError(f"{what}: {path} does not exist")
-  files = [src] if src.is_file() else _files_under(src)
+  files = [src] if src.is_file() else _files_under(src, skip)
   logging.getLogger(__name__).info(
     "%s: copying %s (%d files) to the local cache %s", what, path, len(files), local
   )

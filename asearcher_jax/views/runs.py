@@ -13,8 +13,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -169,24 +167,17 @@ def sample_run() -> Path:
   return SAMPLE_RUN
 
 
-def mirror_dir(url: str) -> Path:
-  """Where a bucket's run directory is mirrored for reading ($ASEARCHER_HOME/mirrors/...)."""
-  home = Path(os.environ.get("ASEARCHER_HOME") or Path.home() / ".cache" / "asearcher_jax")
-  return home / "mirrors" / re.sub(r"[^A-Za-z0-9_.-]+", "_", url.split("://", 1)[1].strip("/"))
-
-
 class RunDir:
   """Everything inspectable under one directory (searched recursively, lazily). A gs:// URL is
-  mirrored to local disk first (`storage.mirror`: everything but checkpoints, replay and
+  copied to the local cache first (`storage.local_copy`: everything but checkpoints, replay and
   weights), and read there."""
 
   def __init__(self, root: str | Path) -> None:
     if not str(root).strip():
       raise AsearcherError("no run directory given (an empty path)")
     if storage.is_url(root):
-      local = mirror_dir(str(root))
       try:
-        storage.mirror(str(root), local)
+        local = storage.local_copy(str(root), what="run directory", skip=storage.RUN_HEAVY)
       except (FileNotFoundError, OSError) as e:
         raise AsearcherError(f"cannot read run directory {root}: {e}") from None
       self.url: str | None = str(root)
