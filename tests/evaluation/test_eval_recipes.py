@@ -45,9 +45,14 @@ def test_every_real_model_has_an_evaluation_recipe():
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_evaluation_recipe_and_its_cpu_overlay_check(recipe):
-  for files in ([recipe], [recipe, REPO / "gin/overlays/eval_tiny.gin"]):
-    proc = _eval(*(f"--gin_file={f.relative_to(REPO)}" for f in files), "--check", timeout=300)
-    assert proc.returncode == 0 and "configuration ok" in proc.stdout + proc.stderr, proc.stderr
+  """The recipe alone configures, and its preflight refuses it on this host in one line naming
+  an input path that only a pod has (the model, the test sets); with the CPU overlay it passes."""
+  alone = _eval(f"--gin_file={recipe.relative_to(REPO)}", "--check", timeout=300)
+  assert alone.returncode == 2 and alone.stderr.count("\n") == 1, alone.stderr
+  assert "does not exist on this host" in alone.stderr and "/mnt/asearcher/" in alone.stderr
+  files = [recipe, REPO / "gin/overlays/eval_tiny.gin"]
+  proc = _eval(*(f"--gin_file={f.relative_to(REPO)}" for f in files), "--check", timeout=300)
+  assert proc.returncode == 0 and "configuration ok" in proc.stdout + proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
