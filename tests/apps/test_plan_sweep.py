@@ -167,7 +167,9 @@ def test_sweep_of_the_ci_sized_quickstart(tiny_run):
 
 @pytest.mark.slow
 def test_sweep_compares_three_training_points_run_two_at_once(tmp_path):
-  """Three short CPU training runs, two at a time: the table holds each point's smoothed final
+  """Three short CPU training runs, two at a time (log-probs over 128-position chunks: the whole
+  152k-vocabulary logits of a row peak at 9 GB a run, 2.9 GB chunked, so two fit beside another
+  test): the table holds each point's smoothed final
   metrics (the moving average at its last step, from its own metrics.jsonl) beside the last raw
   row, and curves.png overlays the three runs' curves."""
   sweep_file = tmp_path / "s.gin"
@@ -175,7 +177,8 @@ def test_sweep_compares_three_training_points_run_two_at_once(tmp_path):
 from __gin__ import dynamic_registration
 from asearcher_jax.apps import sweep as sweeping
 sweeping.sweep.command = "train"
-sweeping.sweep.gin_params = ("train_config.TrainConfig.train_steps=3",)
+sweeping.sweep.gin_params = ("train_config.TrainConfig.train_steps=3",
+                             "presets.model_config.logits_chunk=128")
 sweeping.sweep.run_dir_param = "commands.train.run_dir"
 sweeping.sweep.root = "{tmp_path}/runs"
 sweeping.sweep.grid = {{"steps.OptimizerConfig.learning_rate": ("1e-5", "1e-4", "1e-3")}}
