@@ -251,6 +251,7 @@ def test_sweep_lanes_run_points_at_once_in_order_per_lane():
   assert order.index(1) < order.index(3)  # lane 1 in order
 
 
+@pytest.mark.slow  # > 10 s: the fast tier stays under 5 minutes
 def test_plan_of_the_8_gpu_host_knows_h100_and_h200():
   """gin/overlays/gpu_8x.gin on the 7B recipe: the learner on 4 GPUs and 2 replicas of 2 fit an
   H100's 80 GB and an H200's 141 GB; the H200's bandwidth (4.8 against 3.35 TB/s) shortens the

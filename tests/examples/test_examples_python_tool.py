@@ -187,6 +187,7 @@ def _groups(run_dir: Path):
   return [decode_group(r) for r in records]
 
 
+@pytest.mark.slow  # > 10 s: the fast tier stays under 5 minutes
 def test_examples_agent_trains_two_steps_from_the_gin_overlay(tmp_path, tok, capsys):
   run_dir = tmp_path / "train"
   params = [

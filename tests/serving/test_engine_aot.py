@@ -104,6 +104,7 @@ def test_a_refused_program_is_reported_and_the_warmup_goes_on():
   assert len(aot.programs) == aot.programs_dispatched > len(failed)
 
 
+@pytest.mark.slow  # > 10 s: the fast tier stays under 5 minutes
 def test_ragged_paged_attention_compiles_one_window_where_gather_compiles_each_bucket():
   """Ragged attention reads each sequence over its own length, so a window changes nothing in
   its program: decode and suffix steps compile once, not once per prefill bucket."""

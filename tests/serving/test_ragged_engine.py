@@ -206,6 +206,7 @@ def test_a_suffix_padded_past_the_context_limit_continues_as_the_fixed_engine(at
   np.testing.assert_allclose(got[attention][1], got["fixed"][1], atol=1e-5)
 
 
+@pytest.mark.slow  # > 10 s: the fast tier stays under 5 minutes
 @pytest.mark.parametrize("attention", ["gather", "ragged_reference"])
 def test_live_slots_decode_as_the_fixed_engine_whatever_idle_slots_pages_hold(attention):
   """Slots 1 and 3 decode, slot 0 is parked and slot 2 is free, its table still mapping pages
