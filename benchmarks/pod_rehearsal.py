@@ -1,6 +1,6 @@
 """Does every role of every shipped real-model launch spec fit its slice, as launched?
 
-For each launch spec of a real-model recipe (launch/specs/*.toml but the local one), `python -m
+For each launch spec of a real-model recipe (launch/specs/*.toml but the local_* ones), `python -m
 launch rehearse` builds every role from the very command line the launcher gives it (the same gin
 files and parameters; the model config read from config.json as `train` and `serve-model` read
 it, from the copy the package ships) and compiles ahead of time, for the role's own slice, the
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # launch/ (not installed: the repository's own)
 # gke_* specs run their TPU-VM twin's roles (same slices and argv but the retrieval addresses).
 SPECS = sorted(p for p in (REPO / "launch" / "specs").glob("*.toml")
-               if p.stem != "local_tiny" and not p.stem.startswith("gke_"))  # fmt: skip
+               if not p.stem.startswith(("local_", "gke_")))  # fmt: skip
 TIMEOUT_S = float(os.environ.get("POD_REHEARSAL_TIMEOUT_S", 7200))
 KEEP = (
   "topology", "mesh", "chips", "programs_warmed", "programs_compiled", "hbm_gib_per_chip_max",
