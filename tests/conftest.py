@@ -83,16 +83,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-  """`--dist loadgroup` with the tiny_run users as one group; every other test on its own."""
+  """`--dist loadgroup` with the tiny_run users as one group; every other test on its own; a
+  crashed worker fails its test and the run goes on (tests/scheduling.py)."""
   if config.getvalue("dist") != "loadgroup":
     return None
-  from xdist.scheduler import LoadGroupScheduling
+  from tests import scheduling
 
-  class TinyRunOnOneWorker(LoadGroupScheduling):
-    def _split_scope(self, nodeid: str) -> str:
-      return "tiny_run" if nodeid.startswith(TINY_RUN_TESTS) else nodeid
-
-  return TinyRunOnOneWorker(config, log)
+  scheduling.ONE_WORKER_PREFIXES = TINY_RUN_TESTS
+  return scheduling.TinyRunOnOneWorker(config, log)
 
 
 @pytest.fixture(scope="session")
