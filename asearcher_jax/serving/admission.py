@@ -14,11 +14,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
 
+from asearcher_jax.serving import compile_clock
 from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.engine import Engine
 from asearcher_jax.serving.pages import SlotPages
@@ -150,7 +150,7 @@ class Admission:
     else:
       start, bucket, window = done, chunk, self.engine.window_for(done + chunk)
     end = n if last else start + chunk
-    t0 = time.perf_counter()
+    watch = compile_clock.Stopwatch()
     try:
       self.table.state, tok, lp, version, top = self.engine.extend_slot(
         params, self.table.state, slot, req.prompt[start:end], start, sampling=req.sampling,
@@ -169,7 +169,7 @@ class Admission:
       self.hooks.fail_active(EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       self.hooks.finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return True
-    self.metrics["prefill_s"] += time.perf_counter() - t0
+    watch.stop(self.metrics, "prefill_s")
     self.metrics["prefill_pieces"] += 1
     self.metrics["prefill_tokens"] += end - start
     if not last:
@@ -216,7 +216,7 @@ class Admission:
   def _admit_continuation(self, req: Request, slot: int) -> None:
     """Admits a turn whose one new token is the one its slot's last call sampled: the slot goes
     live with that token to feed, and the next decode step samples the turn's first token."""
-    t0 = time.perf_counter()
+    watch = compile_clock.Stopwatch()
     try:
       self.table.state = self.engine.activate_slot(
         self.table.state, slot, req.prompt[-1], len(req.prompt) - 1, sampling=req.sampling,
@@ -229,7 +229,7 @@ class Admission:
       self.hooks.fail_active(EngineError(f"activation failed: {type(e).__name__}: {e}"))
       self.hooks.finish(req, error=EngineError(f"activation failed: {type(e).__name__}: {e}"))
       return
-    self.metrics["prefill_s"] += time.perf_counter() - t0
+    watch.stop(self.metrics, "prefill_s")
     self.metrics["prefix_hits"] += 1
     self.metrics["prefix_tokens_reused"] += len(req.prompt) - 1
     self.metrics["decode_continuations"] += 1
@@ -238,7 +238,7 @@ class Admission:
   def _admit_reuse_chunk(
     self, params: steps.VersionedParams, chunk: list[tuple[Request, int, int, int]], bucket: int
   ) -> None:
-    t0 = time.perf_counter()
+    watch = compile_clock.Stopwatch()
     reqs = [c[0] for c in chunk]
     window = max(c[3] for c in chunk)
     try:
@@ -268,8 +268,7 @@ class Admission:
       for req in reqs:
         self.hooks.finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return
-    self.metrics["prefill_s"] += time.perf_counter() - t0
-    self.metrics["suffix_prefill_s"] += time.perf_counter() - t0
+    watch.stop(self.metrics, "prefill_s", "suffix_prefill_s")
     self.metrics["prefill_calls"] += 1
     self.metrics["suffix_prefill_calls"] += 1
     for i, (req, slot, start, _) in enumerate(chunk):
@@ -288,7 +287,7 @@ class Admission:
   def _admit_chunk(
     self, params: steps.VersionedParams, chunk: list[Request], slots: list[int]
   ) -> None:
-    t0 = time.perf_counter()
+    watch = compile_clock.Stopwatch()
     try:
       prefixes = self.engine.prefill_many(
         params=params,
@@ -307,7 +306,7 @@ class Admission:
       for req in chunk:
         self.hooks.finish(req, error=EngineError(f"prefill failed: {type(e).__name__}: {e}"))
       return
-    self.metrics["prefill_s"] += time.perf_counter() - t0
+    watch.stop(self.metrics, "prefill_s")
     self.metrics["prefill_calls"] += 1
     self.metrics["prefill_tokens"] += sum(len(r.prompt) for r in chunk)
     for i, (req, slot) in enumerate(zip(chunk, slots, strict=True)):

@@ -9,7 +9,9 @@ time span (`jax.monitoring`); spans nest (a jit traced inside another's trace), 
 total is the length of the union of its spans, not their sum.
 """
 
+import collections
 import threading
+import time
 
 import jax
 
@@ -21,9 +23,33 @@ COMPILE_EVENTS = frozenset(
     "/jax/core/compile/backend_compile_duration",
   }
 )
+# Merged spans kept per thread: a span is reported when it ends, so a new one overlaps only the
+# latest few (the spans nested in it); older ones are folded into the total.
+_KEEP_SPANS = 64
+
+
+class _ThreadSpans:
+  """One thread's compile spans as their union: disjoint spans in order and their total length,
+  updated per span in amortized constant time (read on every timed engine call)."""
+
+  def __init__(self) -> None:
+    self.merged: list[tuple[float, float]] = []
+    self.total = 0.0
+
+  def add(self, start: float, end: float) -> None:
+    merged = self.merged
+    while merged and merged[-1][1] >= start:  # overlaps the latest spans: merge them in
+      s, e = merged.pop()
+      self.total -= e - s
+      start, end = min(start, s), max(end, e)
+    merged.append((start, end))
+    self.total += end - start
+    if len(merged) > 2 * _KEEP_SPANS:
+      del merged[:-_KEEP_SPANS]
+
 
 _lock = threading.Lock()
-_spans: dict[int, list[tuple[float, float]]] = {}
+_spans: dict[int, _ThreadSpans] = {}
 _installed = False
 
 
@@ -31,20 +57,10 @@ def _on_span(event: str, start: float, end: float, **_: object) -> None:
   if event in COMPILE_EVENTS:
     ident = threading.get_ident()
     with _lock:
-      spans = _spans.setdefault(ident, [])
-      spans.append((start, end))
-      if len(spans) > 512:  # a long run's recompiles: keep the union, not every span
-        _spans[ident] = _union(spans)
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-  merged: list[tuple[float, float]] = []
-  for start, end in sorted(spans):
-    if merged and start <= merged[-1][1]:
-      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-    else:
-      merged.append((start, end))
-  return merged
+      spans = _spans.get(ident)
+      if spans is None:
+        spans = _spans[ident] = _ThreadSpans()
+      spans.add(start, end)
 
 
 def install() -> None:
@@ -70,5 +86,26 @@ def compile_seconds(thread_ident: int | None = None) -> float:
   compiling since `install()` or its `begin_thread()`, overlapping spans counted once."""
   ident = threading.get_ident() if thread_ident is None else thread_ident
   with _lock:
-    spans = list(_spans.get(ident, ()))
-  return sum(end - start for start, end in _union(spans))
+    spans = _spans.get(ident)
+    return 0.0 if spans is None else spans.total
+
+
+class Stopwatch:
+  """Times a block of engine work on the calling thread, and the compiles inside it.
+
+  A thread's compiles outside its timed blocks (a small eager op between calls, a state built
+  afresh) are not part of any busy figure, so "busy net of compiles" subtracts only the compile
+  seconds that fell inside the blocks: it can never come out below zero."""
+
+  def __init__(self) -> None:
+    self._t0 = time.perf_counter()
+    self._c0 = compile_seconds()
+
+  def stop(self, metrics: collections.Counter, *keys: str) -> float:
+    """Adds the block's wall seconds to each of `keys` and its compile seconds to
+    "compile_s" in `metrics`; returns the wall seconds."""
+    wall = time.perf_counter() - self._t0
+    for key in keys:
+      metrics[key] += wall
+    metrics["compile_s"] += min(compile_seconds() - self._c0, wall)
+    return wall

@@ -332,9 +332,9 @@ class Driver:
       "version": self._version,
       "tokens_generated": self.metrics["tokens"],
       "decode_tokens_per_s": self.metrics["decode_tokens"] / decode_s,
-      # Engine-thread seconds spent tracing and compiling new shapes, part of prefill_s,
+      # Engine-thread seconds spent tracing and compiling new shapes inside prefill_s,
       # update_s and decode_s (none once the engine is warmed up).
-      "compile_s": compile_clock.compile_seconds(self._thread.ident),
+      "compile_s": self.metrics["compile_s"],
       "prefill_s": self.metrics["prefill_s"],
       # Prefill calls for admissions (fresh chunks and suffix chunks), not counting updates.
       "prefill_calls": self.metrics["prefill_calls"],
@@ -446,7 +446,7 @@ class Driver:
     try:
       if not keep:
         self._drain()  # re-prefill must see the tokens of the step in flight (old weights)
-      t0 = time.perf_counter()
+      watch = compile_clock.Stopwatch()
       self._params = self.engine.versioned(update.params, update.version)
       self._version = update.version
       if not keep:
@@ -468,9 +468,8 @@ class Driver:
     except Exception as e:
       update.done.set_exception(e)
       raise
-    ms = (time.perf_counter() - t0) * 1e3
+    ms = watch.stop(self.metrics, "update_s") * 1e3
     self.metrics["last_update_ms"] = ms
-    self.metrics["update_s"] += ms / 1e3
     self.metrics["updates"] += 1
     update.done.set_result(ms)
 
@@ -496,7 +495,7 @@ class Driver:
   def _step(self) -> None:
     """Dispatches the next call for the live slots, then records the previous call's tokens."""
     previous, self._in_flight = self._in_flight, None
-    t0 = time.perf_counter()
+    watch = compile_clock.Stopwatch()
     k = self.engine.cfg.decode_steps_per_call
     with self._lock:
       waiting = bool(self._queue)
@@ -530,7 +529,7 @@ class Driver:
       self.metrics["decode_rows"] += self.engine.rows_for(len(slots)) * plan.steps
     if previous is not None:
       self._collect(previous)
-    self.metrics["decode_s"] += time.perf_counter() - t0
+    watch.stop(self.metrics, "decode_s")
 
   def _ensure_pages(self, plan, previous: InFlight | None, k: int, waiting: bool):
     """Maps the pages every live slot writes in the next call; when the pool runs out, preempts
@@ -566,9 +565,9 @@ class Driver:
     slot's tokens up to date)."""
     previous, self._in_flight = self._in_flight, None
     if previous is not None:
-      t0 = time.perf_counter()
+      watch = compile_clock.Stopwatch()
       self._collect(previous)
-      self.metrics["decode_s"] += time.perf_counter() - t0
+      watch.stop(self.metrics, "decode_s")
 
   def _collect(self, call: InFlight) -> None:
     try:

@@ -23,10 +23,10 @@ would have used, so its tokens are the ones it would have produced anyway.
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 
+from asearcher_jax.serving import compile_clock
 from asearcher_jax.serving import engine_steps as steps
 from asearcher_jax.serving.admission import PREFILL_CHUNKS, Admission, log
 from asearcher_jax.serving.pages import SlotPages, block_keys
@@ -164,7 +164,7 @@ class PagedAdmission(Admission):
   def _call(self, params, chunk: list[tuple], metric: str, *, bucket: int | None = None) -> None:
     """One prefill call: whole contexts (chunk of (request, slot)) or suffixes (chunk of
     (request, slot, start, window, write)) when `bucket` is given; records first tokens."""
-    t0 = time.perf_counter()
+    watch = compile_clock.Stopwatch()
     reqs, slots = [c[0] for c in chunk], [c[1] for c in chunk]
     ctxs = [context(r) for r in reqs]
     try:
@@ -196,10 +196,9 @@ class PagedAdmission(Admission):
       for req in reqs:
         self.hooks.finish(req, error=error)
       return
-    self.metrics["prefill_s"] += time.perf_counter() - t0
+    watch.stop(self.metrics, "prefill_s", *([] if bucket is None else ["suffix_prefill_s"]))
     self.metrics["prefill_calls"] += 1
     if bucket is not None:
-      self.metrics["suffix_prefill_s"] += time.perf_counter() - t0
       self.metrics["suffix_prefill_calls"] += 1
     for i, (req, slot) in enumerate(zip(reqs, slots, strict=True)):
       self.metrics[metric] += len(ctxs[i]) - starts[i]

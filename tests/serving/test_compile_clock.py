@@ -4,10 +4,12 @@ once each, and nothing else."""
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from asearcher_jax.serving import compile_clock
 from tests.serving.conftest import tiny_model
@@ -68,10 +70,34 @@ def test_begin_thread_drops_what_an_ended_thread_with_the_same_ident_left():
 
 
 def test_nested_spans_count_once():
-  assert compile_clock._union([(0.0, 2.0), (1.0, 3.0), (0.5, 1.5), (5.0, 6.0)]) == [
-    (0.0, 3.0),
-    (5.0, 6.0),
-  ]
+  # Spans arrive as they end: the nested ones first, then the span around them.
+  spans = compile_clock._ThreadSpans()
+  for start, end in [(1.0, 1.5), (1.2, 2.0), (0.0, 3.0), (3.5, 4.0), (5.0, 6.0), (4.8, 6.5)]:
+    spans.add(start, end)
+  assert spans.merged == [(0.0, 3.0), (3.5, 4.0), (4.8, 6.5)]
+  assert spans.total == 3.0 + 0.5 + 1.7
+
+
+def test_a_stopwatch_counts_only_the_compiles_inside_its_block():
+  # Busy seconds net of compiles subtract what fell inside the timed blocks, never a compile
+  # between them (a CI run of 2026-12-03 read busy net of compiles as -0.066 s).
+  def body():
+    compile_clock.begin_thread()
+    compile_clock._on_span("/jax/core/compile/backend_compile_duration", 1.0, 3.0)  # outside
+    metrics = collections.Counter()
+    watch = compile_clock.Stopwatch()
+    compile_clock._on_span("/jax/core/compile/backend_compile_duration", 4.0, 4.001)  # inside
+    wall = watch.stop(metrics, "prefill_s", "suffix_prefill_s")
+    seen.append((metrics, wall))
+
+  seen: list = []
+  t = threading.Thread(target=body)
+  t.start()
+  t.join(60)
+  metrics, wall = seen[0]
+  assert metrics["prefill_s"] == metrics["suffix_prefill_s"] == wall > 0
+  # the inside span, capped at the block's wall time (a fake span may be longer than the block)
+  assert metrics["compile_s"] == pytest.approx(min(0.001, wall))
 
 
 async def test_the_drivers_compile_seconds_are_part_of_its_busy_seconds(make_driver):
