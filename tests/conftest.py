@@ -93,6 +93,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
   return scheduling.TinyRunOnOneWorker(config, log)
 
 
+_crashed: dict[str, str] = {}  # node id -> what xdist said of the crash
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched) -> None:
+  """A test whose worker died (a segfault in native code) runs once more on a fresh worker and
+  is reported as a rerun, named in the summary; crashing twice fails it."""
+  if crashitem in _crashed or not hasattr(sched, "mark_test_pending"):
+    return
+  _crashed[crashitem] = str(report.longrepr)
+  sched.mark_test_pending(crashitem)
+  report.outcome = "rerun"  # type: ignore[assignment]
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
+  if report.outcome == "rerun":
+    return "rerun", "R", ("RERUN", {"yellow": True})
+  return None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+  for nodeid, why in _crashed.items():
+    terminalreporter.write_line(f"RERUN after a worker crash ({why}): {nodeid}", yellow=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
   """<root>/quickstart (a CI-size quickstart: world, evaluations before/after RL, the RL run

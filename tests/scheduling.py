@@ -5,7 +5,11 @@ pytest-xdist 3.8.0 (the newest release, 2026-12) hangs at the end of a `loadgrou
 worker has crashed (a segfault in a test): the crashed worker's finished groups go back on the
 queue as empty units that no worker reports back on (pytest-xdist #1378), its replacement is
 given one test and waits for a second before it runs it (#1327), and the test it died on is run
-again (#1371). A crash must fail that one test, not stall CI until its time limit.
+again and again (#1371). A crash must cost that one test, not stall CI until its time limit.
+
+A crashed test is run once more on the fresh worker (`mark_test_pending`, called by
+tests/conftest.py's `pytest_handlecrashitem`): a segfault in native code (XLA, faiss, torch) that
+comes once in many runs is reported as a rerun, by name, and a test that crashes twice fails.
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ class TinyRunOnOneWorker(LoadGroupScheduling):
     for other in self.assigned_work:
       self._reschedule(other)
     return crashitem
+
+  def mark_test_pending(self, nodeid: str) -> None:
+    """Queues a crashed test to run again, first in line."""
+    scope = self._split_scope(nodeid)
+    unit = self.workqueue.setdefault(scope, {})
+    unit[nodeid] = False
+    self.workqueue.move_to_end(scope, last=False)
+    for node in self.assigned_work:
+      self._reschedule(node)
 
   def _reschedule(self, node) -> None:
     """Tops a node up to at least two pending tests (a worker runs its first only once a second

@@ -1,5 +1,6 @@
 """The suite's xdist scheduler survives a worker that crashes (tests/scheduling.py): the test it
-died on fails once, every other test runs, and the session ends instead of hanging."""
+died on runs once more, then fails if it crashes again; every other test runs once, and the
+session ends instead of hanging."""
 
 import os
 import subprocess
@@ -13,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 CONFTEST = """
 import pytest
+from tests.conftest import pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
@@ -23,12 +25,19 @@ def pytest_xdist_make_scheduler(config, log):
 
 CRASHING = """
 import os, signal
+from pathlib import Path
 
 def test_before():
   pass
 
 def test_segfaults():
   os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_segfaults_once():
+  marker = Path(__file__).with_name("crashed-once")
+  if not marker.exists():
+    marker.touch()
+    os.kill(os.getpid(), signal.SIGSEGV)
 
 def test_after():
   pass
@@ -59,5 +68,6 @@ def test_a_segfaulting_test_fails_once_and_the_session_finishes(tmp_path, worker
   )  # fmt: skip
   out = proc.stdout + proc.stderr
   assert proc.returncode == 1, out
-  assert "1 failed, 8 passed" in out, out
-  assert out.count("FAILED test_crash.py::test_segfaults") == 1, out
+  assert "1 failed, 9 passed, 2 rerun" in out, out
+  assert out.count("FAILED test_crash.py::test_segfaults ") == 1, out
+  assert "RERUN after a worker crash" in out and "test_crash.py::test_segfaults_once" in out, out
