@@ -429,6 +429,12 @@ def engine_compiler(hbm_bytes: float) -> Any:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
       return None, out_of_memory_report(str(e), args, hbm_bytes)
+    finally:
+      # jax keeps every program's jaxpr, MLIR module and executable in caches keyed on the
+      # jit's traced jaxpr, which lives as long as the jit: a whole warm-up of a 7B replica
+      # (~50 programs) held them all at once, past this host's 24 GB. Each program is traced
+      # afresh instead; the caller keeps only the report and the output shardings.
+      jax.clear_caches()
     return compiled, memory_report(compiled, hbm_bytes)
 
   return compile_

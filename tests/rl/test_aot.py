@@ -214,3 +214,20 @@ def test_compile_serving_flag_selects_the_serving_programs():
                                            "v5p-8"])  # fmt: skip
   assert rest == ["gin/experiments/x.gin"] and overrides == {"serving": True, "topology": "v5p-8"}
   assert compiling.split_flags(["x.gin"])[1] == {}
+
+
+def test_engine_compiler_leaves_no_program_in_jax_caches():
+  """A rehearsal compiles a whole warm-up in one process: each program's module and executable
+  must be released once reported, not kept in jax's caches until the process ends."""
+  import jax
+  import jax.numpy as jnp
+  from jax._src.interpreters import pxla
+
+  compile_ = aot.engine_compiler(aot.GIB)
+  for n in (8, 16, 32):
+    lowered = jax.jit(lambda x: jnp.sin(x) @ x.T).lower(jax.ShapeDtypeStruct((n, n), jnp.float32))
+    compiled, report = compile_(lowered, ())
+    assert report["fits"] and report["total_bytes"] >= 2 * n * n * 4  # the argument and output
+    assert compiled.output_shardings is not None  # what the engine reads after the report
+    assert pxla._cached_compilation.cache_info().currsize == 0
+    assert pxla._cached_lowering_to_hlo.cache_info().currsize == 0
