@@ -143,6 +143,18 @@ def _epath(path: str | os.PathLike):
   return epath.Path(os.fspath(path) if is_url(path) else os.path.abspath(path))
 
 
+def jsonl_lines(text: str) -> list[str]:
+  """The lines of a JSON Lines text: split on "\n" only. `str.splitlines` also splits on
+  U+2028, U+2029 and U+0085, which JSON leaves unescaped inside strings when written
+  with `ensure_ascii=False` (as our logs are): a model's text holding one of them tore its
+  record in two (a "\r" before the "\n" is JSON whitespace). Like `splitlines`, a final "\n"
+  ends the last line rather than starting an empty one."""
+  lines = text.split("\n")
+  if lines[-1] == "":
+    lines.pop()
+  return lines
+
+
 def read_journal(path: str | os.PathLike) -> bytes | None:
   """The bytes of an append-only journal at `path`: the file itself, else what a
   `ShippedJournal` shipped there (`<path>.segments`, by a writer appending on its own disk);

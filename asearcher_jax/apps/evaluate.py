@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from asearcher_jax import storage
 from asearcher_jax.agent import registry
 from asearcher_jax.agent.registry import agent_factory
 from asearcher_jax.data.qa import load_dataset
@@ -282,7 +283,7 @@ def _evaluated_versions(output_dir: Path) -> set[int]:
   if not path.exists():
     return set()
   done = set()
-  for line in path.read_text(encoding="utf-8").splitlines():
+  for line in storage.jsonl_lines(path.read_text(encoding="utf-8")):
     with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
       done.add(int(json.loads(line)["version"]))
   return done

@@ -18,6 +18,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+from asearcher_jax import storage
 from asearcher_jax.agent import AsearcherAgentConfig
 from asearcher_jax.agent.trajectory import Trajectory
 from asearcher_jax.apps.quickstart import QuickstartEval
@@ -85,7 +86,9 @@ def labeller_config(expert: ExpertConfig, stage: DaggerStage) -> ExpertConfig:
 def round_questions(train_jsonl: Path, out: Path, n: int, seed: int) -> Path:
   """`out`: n train questions (JSONL rows of the split) drawn with `seed`, written once."""
   if not out.exists():
-    rows = [line for line in train_jsonl.read_text().splitlines() if line.strip()]
+    rows = [
+      line for line in storage.jsonl_lines(train_jsonl.read_text(encoding="utf-8")) if line.strip()
+    ]
     if not rows:
       raise AsearcherError(f"{train_jsonl}: no train questions to relabel")
     picked = random.Random(f"dagger|{seed}").sample(rows, min(n, len(rows)))

@@ -141,7 +141,7 @@ def _line_of(text: str, pos: int, cache: list[int]) -> int:
 
 
 def _iter_jsonl(path: Path, text: str) -> Iterator[tuple[int, Any]]:
-  for n, line in enumerate(text.splitlines(), 1):
+  for n, line in enumerate(storage.jsonl_lines(text), 1):
     if not line.strip():
       continue
     try:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from asearcher_jax import storage
 from asearcher_jax.errors import AsearcherError
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class VerdictCache:
     self.path = Path(path) if path else None
     self._rows: dict[str, dict[str, Any]] = {}
     if self.path is not None and self.path.exists():
-      for line in self.path.read_text(encoding="utf-8").splitlines():
+      for line in storage.jsonl_lines(self.path.read_text(encoding="utf-8")):
         try:
           row = json.loads(line)
           self._rows[row["key"]] = row["verdict"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from asearcher_jax import storage
 from asearcher_jax.rl.inflight import RESUME_LOG, read_resume_log
 from asearcher_jax.rl.replay import (
   CONSUMED_LOG,
@@ -34,7 +35,11 @@ def replay_logs(replay_dir: Path) -> tuple[list[str], list[str], list[str]]:
   committed: list[str] = []
   discarded: list[str] = []
   consumed = Path(replay_dir) / CONSUMED_LOG
-  for line in consumed.read_text().splitlines() if consumed.exists() else []:
+  for line in (
+    storage.jsonl_lines(consumed.read_text(encoding="utf-8")) if consumed.exists() else []
+  ):
+    if not line.strip():
+      continue
     rec = json.loads(line)
     (discarded if rec.get("discarded") else committed).extend(rec["ids"])
   return pushed, committed, discarded
@@ -169,7 +174,7 @@ def agreement_summary(run_dir: str | Path) -> dict[str, dict[str, float]]:
   if not path.exists():
     return {}
   acc: dict[str, dict[str, float]] = {}
-  for line in path.read_text().splitlines():
+  for line in storage.jsonl_lines(path.read_text(encoding="utf-8")):
     try:
       rec = json.loads(line)
     except json.JSONDecodeError:  # a torn last line of a killed run

@@ -118,7 +118,7 @@ def read_episodes(path: str | Path) -> list[dict[str, Any]]:
       text = chunk.decode("utf-8")
     except UnicodeDecodeError as e:
       raise AsearcherError(f"{path}: after line {n}: not UTF-8 text ({e.reason})") from None
-    for line in text.splitlines():
+    for line in storage.jsonl_lines(text):
       n += 1
       if not line.strip():
         continue

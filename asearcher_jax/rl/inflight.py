@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from asearcher_jax import storage
 from asearcher_jax.serving.types import GenerationClient, GenerationResult, SamplingParams
 from asearcher_jax.tools.search import Document
 from asearcher_jax.tools.toolbox import ToolCall, ToolJob, ToolResult, ToolStats
@@ -357,7 +358,7 @@ def read_resume_log(path: str | Path) -> list[dict[str, Any]]:
   """The records of a `ResumeLog` (a torn last line from a crash is skipped)."""
   out = []
   p = Path(path)
-  for line in p.read_text().splitlines() if p.exists() else []:
+  for line in storage.jsonl_lines(p.read_text(encoding="utf-8")) if p.exists() else []:
     try:
       out.append(json.loads(line))
     except json.JSONDecodeError:

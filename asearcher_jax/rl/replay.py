@@ -241,7 +241,7 @@ def _read_consumed(path: Path) -> set[str]:
   ids: set[str] = set()
   if not path.exists():
     return ids
-  for line in path.read_text(encoding="utf-8").splitlines():
+  for line in storage.jsonl_lines(path.read_text(encoding="utf-8")):
     try:
       ids.update(json.loads(line)["ids"])
     except (json.JSONDecodeError, KeyError, TypeError):

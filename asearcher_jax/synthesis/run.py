@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asearcher_jax import storage
 from asearcher_jax.evaluation.metrics import normalize_answer
 from asearcher_jax.synthesis import prompts as P
 from asearcher_jax.synthesis.links import LinkGraph
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
   rows = []
   if path.exists():
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in storage.jsonl_lines(path.read_text(encoding="utf-8")):
       try:
         rows.append(json.loads(line))
       except json.JSONDecodeError:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from asearcher_jax import plotting
+from asearcher_jax import plotting, storage
 from asearcher_jax.evaluation import report as eval_report
 from asearcher_jax.evaluation.runner import SnapshotStore
 
@@ -183,7 +183,7 @@ def eval_figure(dirs: Mapping[str, str | Path], metric: str = "f1") -> Any:
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
   rows = []
-  for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else ():
+  for line in storage.jsonl_lines(path.read_text(encoding="utf-8")) if path.exists() else ():
     try:
       rows.append(json.loads(line))
     except json.JSONDecodeError:

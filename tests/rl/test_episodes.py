@@ -42,3 +42,18 @@ def test_groups_round_trip_and_a_torn_tail_loses_only_the_last_group(tmp_path):
   log.path.write_bytes(raw[:-7])  # the last group's member cut mid-write
   assert [r["group_id"] for r in read_episodes(log.path)] == ["e0/i1/q1"] * 2
   assert read_episodes(tmp_path / "absent.jsonl.gz") == []
+
+
+def test_model_text_with_unicode_line_separators_stays_one_record(tmp_path):
+  """JSON leaves U+2028, U+2029 and U+0085 unescaped (the export writes ensure_ascii=False), and
+  `str.splitlines` splits on them: a random policy that sampled one tore its record in two and
+  the whole export was refused as corrupt (CI, 2026-12-04)."""
+  log = EpisodeLog(tmp_path / "episodes.jsonl.gz")
+  odd = "a\u2028b\u2029c\x85d\x1ce\r"
+  log.append_group(
+    group_id="e0/i1/q1", qid="q1", trajectories=[_traj("q1", odd), _traj("q1", "x")],
+    versions=(1, 1), scores=[1.0, 0.0], advantages=[0.5, -0.5], rejection=None,
+  )  # fmt: skip
+  recs = read_episodes(log.path)
+  assert [r["episode"] for r in recs] == [0, 1]
+  assert Trajectory.from_json(recs[0]["trajectory"]).pred_answer == odd

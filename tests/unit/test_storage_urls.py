@@ -7,6 +7,7 @@ must never be turned into a local path on the way. tests/gcs_emulator.py runs th
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from etils import epath
 
 from asearcher_jax import checkpoint as checkpoint_lib
+from asearcher_jax import storage
 from asearcher_jax.apps.train import checkpoint_config
 from asearcher_jax.apps.train_config import TrainConfig
 from asearcher_jax.errors import CheckpointError
@@ -75,3 +77,12 @@ def test_a_pod_run_writes_weights_and_checkpoints_to_the_bucket_not_the_mount():
   assert f'--gin_param=serve_model.serve.weights_dir="{lay.weights_dir}"' in roles.serve_argv(
     lay, 0
   )
+
+
+def test_jsonl_lines_split_on_newline_only():
+  rows = [{"t": "a\u2028b"}, {"t": "c\x85d\u2029"}, {"t": "e\r"}]
+  text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) + '{"t": "f"}\r\n'
+  assert len(text.splitlines()) > 4  # what tore records before
+  lines = [x for x in storage.jsonl_lines(text) if x.strip()]
+  assert [json.loads(x) for x in lines] == [*rows, {"t": "f"}]
+  assert storage.jsonl_lines("a\nb\n") == ["a", "b"] and storage.jsonl_lines("") == []
